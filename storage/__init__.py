@@ -1,0 +1,1 @@
+"""kvtier storage: keys, blob codec, shared-memory arena, tiers and the tiered store."""

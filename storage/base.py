@@ -1,0 +1,259 @@
+"""Every interface and value type of kvtier's storage layer, in one place.
+
+storage/ knows nothing of vLLM or torch. A chunk is the KV of ``chunk_size`` tokens for every layer,
+held as opaque bytes laid out ``[layer][block][page]``. Its key is ``(namespace, prefix hash)``: the
+namespace digests everything that makes bytes incompatible, the prefix hash is vLLM's chained block hash
+of the chunk's last block, so one hash names the whole prefix.
+
+Misses and tier failures are values on the hot path (a miss is normal); exceptions are reserved for
+programmer errors, bad configuration and the typed decode errors below.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+BLOB_FORMAT_VERSION = 1
+
+
+class Tier(enum.IntEnum):
+    """Where a chunk was found; lower value = faster."""
+
+    CPU = 0
+    DISK = 1
+    REDIS = 2
+
+    @property
+    def label(self) -> str:
+        """Lower-case name used in stats and metrics."""
+        return self.name.lower()
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class StorageError(Exception):
+    """Base of storage errors."""
+
+
+class BlobError(StorageError):
+    """A blob at rest failed verification: bad magic, version, key echo, length or checksum."""
+
+
+class ArenaError(StorageError):
+    """The shared-memory arena could not be created, mapped or sized as asked."""
+
+
+class ArenaFullError(ArenaError):
+    """No slot can be had: every slot is reserved, leased or queued for a write."""
+
+
+class UnknownNamespaceError(StorageError):
+    """A call named a namespace that was never registered with the store."""
+
+
+# ---------------------------------------------------------------------------------------------- keys
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """Everything that makes KV bytes incompatible between two engines."""
+
+    model: str
+    kv_dtype: str
+    kv_layout: str
+    block_size: int  # tokens per vLLM block
+    chunk_size: int  # tokens per chunk, a multiple of block_size
+    num_layers: int
+    page_bytes: int  # bytes of one block of one layer
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    hash_algo: str = "sha256"
+    format_version: int = BLOB_FORMAT_VERSION
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """vLLM blocks in one chunk."""
+        return self.chunk_size // self.block_size
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk: every layer's pages for the chunk's blocks."""
+        return self.num_layers * self.blocks_per_chunk * self.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """A stored chunk's identity: namespace id (hex digest) and the prefix hash of its last block."""
+
+    namespace: str
+    prefix_hash: bytes
+
+
+# ---------------------------------------------------------------------------------------------- arena
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """A byte range of the shared-memory arena holding one chunk's payload."""
+
+    offset: int
+    length: int
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Answer of TieredStore.lookup: how many leading keys are stored, and where each one is.
+
+    ``slots`` holds the arena slot of every hit already in the CPU tier (None for lower-tier hits), so a
+    caller whose hits are all in memory can copy without a stage() round trip.
+    """
+
+    num_hit: int
+    tiers: list[Tier]
+    slots: list[SlotRef | None]
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """Answer of TieredStore.stage: a slot per leased chunk, or None where it turned out missing.
+
+    ``failed`` lists the indices (into the leased keys) that could not be staged: missing, corrupt or a
+    tier error. Chunks after the first failure are still reported as staged when they were.
+    """
+
+    slots: list[SlotRef | None]
+    tiers: list[Tier]
+    failed: list[int]
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier; errors are split by kind (e.g. 'timeout', 'corrupt', 'enospc')."""
+
+    chunks: int = 0
+    bytes: int = 0
+    capacity: int = 0
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    healthy: bool = True
+
+    def count_error(self, kind: str) -> None:
+        """Add one error of this kind."""
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    @property
+    def error_total(self) -> int:
+        """All errors of every kind."""
+        return sum(self.errors.values())
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Snapshot of the whole store, for `kvtier stats`, /stats and /metrics."""
+
+    tiers: dict[str, TierStats]
+    leases_active: int
+    slots_in_use: int
+    slots_total_bytes: int
+    write_queue_depth: int
+    writes_dropped: int
+    namespaces: int
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+@runtime_checkable
+class LowerTier(Protocol):
+    """A tier below the CPU arena (disk, Redis). Every method returns misses and failures as values.
+
+    Contract: no method raises for an I/O failure, a missing key or a corrupt blob; each is counted in
+    ``stats()`` and reported as False. Payload buffers are borrowed for the call only.
+    """
+
+    tier: Tier
+
+    async def start(self) -> None:
+        """Open connections or scan the index; a tier that cannot start is marked unhealthy."""
+
+    async def contains_many(self, keys: list[ChunkKey]) -> list[bool]:
+        """Whether each key is stored (batched: one round trip per shard or one index pass)."""
+
+    async def put(self, key: ChunkKey, payload: memoryview) -> bool:
+        """Store the payload under key (header added by the tier); False when it could not."""
+
+    async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
+        """Read the payload of key into dest (exact length) and verify it; False on miss or error."""
+
+    async def delete(self, key: ChunkKey) -> None:
+        """Remove key if present."""
+
+    def pin(self, keys: list[ChunkKey]) -> None:
+        """Keep keys from this tier's eviction until unpinned (leases of lower-tier hits)."""
+
+    def unpin(self, keys: list[ChunkKey]) -> None:
+        """Undo one pin() of each key."""
+
+    def stats(self) -> TierStats:
+        """Current counters."""
+
+    async def close(self) -> None:
+        """Release connections, threads and files."""
+
+
+# ---------------------------------------------------------------------------------------------- store
+@dataclass(frozen=True, slots=True)
+class ArenaInfo:
+    """Where other processes map the arena: a file on tmpfs of ``size`` bytes."""
+
+    path: str
+    size: int
+
+
+class StoreAPI(Protocol):
+    """What the service calls on the tiered store. Runs on the service's event loop, never blocks it.
+
+    Leases: ``lookup(..., lease_id)`` takes or replaces the lease ``lease_id`` on the hit chunks, which
+    keeps them from eviction in every tier until ``release(lease_id)``, or until ``lease_ttl`` passes.
+    Slots: ``reserve`` hands out slots the caller fills; each one ends in exactly one ``commit`` or
+    ``abort``. Committing does not copy: the slot becomes the CPU tier's copy of the chunk.
+    """
+
+    async def register(self, spec: NamespaceSpec) -> str:
+        """Register a namespace (idempotent) and return its id."""
+
+    def arena_info(self) -> ArenaInfo:
+        """The arena file that clients map."""
+
+    async def lookup(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult:
+        """Count leading stored chunks, say which tier holds each, and lease them under lease_id."""
+
+    async def stage(self, lease_id: str) -> StageResult:
+        """Bring every chunk of the lease into an arena slot (promoting lower-tier hits)."""
+
+    async def release(self, lease_id: str) -> None:
+        """End a lease (idempotent)."""
+
+    async def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
+        """A slot to fill for each key; None where the chunk is already stored or no space is left."""
+
+    async def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
+        """Publish filled slots into the CPU tier and queue them for lower tiers by the write policy."""
+
+    async def abort(self, slots: list[SlotRef]) -> None:
+        """Give reserved slots back unfilled."""
+
+    async def delete(self, namespace: str, hashes: list[bytes]) -> int:
+        """Remove these chunks from every tier (leased ones too); returns how many were found."""
+
+    async def clear(self, tiers: list[Tier]) -> int:
+        """Drop every unleased chunk from the named tiers; returns how many were dropped."""
+
+    def stats(self) -> StoreStats:
+        """Counters of every tier, leases and slots."""
+
+    async def close(self, drain_timeout: float = 5.0) -> None:
+        """Drain queued writes within the timeout, then release tiers and the arena."""

@@ -1,0 +1,1 @@
+"""Tiers below and beside the arena: CPU index, disk, Redis."""
