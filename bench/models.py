@@ -1,0 +1,114 @@
+"""Random-weight Llama models with a locally trained tokenizer, built offline for tests, demo and bench.
+
+No model can be downloaded here, and none is needed: greedy output from fixed random weights is
+deterministic, which is all an output-identity oracle needs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+WORDS = (
+    "the cache keeps every token it has seen before and loads it back when a prompt repeats "
+    "a system prompt a document a chat turn memory disk redis chunk block layer page tier "
+    "request scheduler worker model output token prefix hash lease slot arena copy save load "
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+    "sigma tau upsilon phi chi psi omega one two three four five six seven eight nine ten"
+).split()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a generated Llama; KV bytes per token = 2 * layers * kv_heads * head_dim * 2 (bf16)."""
+
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 256
+    vocab_size: int = 1024
+    max_position_embeddings: int = 4096
+    seed: int = 1234
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes in bf16."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+
+TINY = ModelShape()
+# At least 16 KiB of KV per token, for the TTFT benchmark: 8 layers x 8 KV heads x 64 x 2 x 2 B = 16 KiB.
+BENCH = ModelShape(
+    num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=8, head_dim=64, intermediate_size=1024
+)
+
+
+def _corpus() -> list[str]:
+    lines = []
+    for i in range(400):
+        words = [WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(12 + i % 9)]
+        lines.append(" ".join(words) + f" {i}.")
+    return lines
+
+
+def _train_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 8,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    # A plain chat template so the OpenAI chat endpoint works with the tiny model.
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(str(path))
+
+
+def build_model(path: str | Path, shape: ModelShape = TINY) -> Path:
+    """Write a random-weight Llama and its tokenizer to path (reused when already built)."""
+    out = Path(path)
+    marker = out / "kvtier-shape.json"
+    if marker.exists() and json.loads(marker.read_text()) == asdict(shape):
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(out, shape.vocab_size)
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(shape.seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default weights make the random model's greedy choices depend strongly on its KV,
+    # so corrupted KV changes the output (the negative control needs that).
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.08)
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    marker.write_text(json.dumps(asdict(shape)))
+    return out

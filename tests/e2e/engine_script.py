@@ -1,0 +1,29 @@
+"""Run one vLLM engine in a fresh process and print its greedy outputs as JSON (for layout tests).
+
+Usage: python -m tests.e2e.engine_script '{"model": ..., "prompts": [[...]], "max_tokens": 16,
+"kv_config": {...} | null, "multiprocess": true}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> int:
+    """Parse the job, run it, print {"tokens": [[...]], "preemptions": n} on the last line."""
+    job = json.loads(sys.argv[1])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job.get("multiprocess") else "0"
+    from tests.e2e.harness import generate, preemptions, running_engine
+
+    overrides = job.get("engine", {})
+    with running_engine(job["model"], job.get("kv_config"), **overrides) as llm:
+        out = generate(llm, job["prompts"], job.get("max_tokens", 16))
+        count = preemptions(llm)
+    print(json.dumps({"tokens": out.tokens, "preemptions": count}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
