@@ -39,7 +39,8 @@ class KVTierSettings(BaseSettings):
     )
 
     service_url: str = Field(
-        "", description="Service address: unix:///path or tcp://host:port; empty = embedded service."
+        "",
+        description="Service address: unix:///path or tcp://host:port; empty = embedded service.",
     )
     auth_token: str = Field(
         "", description="Shared token a TCP client must present; required for a non-loopback bind."
@@ -58,7 +59,9 @@ class KVTierSettings(BaseSettings):
         description="redis://, rediss://, unix:// or redis+cluster://host:port; empty = Redis off.",
     )
     redis_cluster: bool = Field(False, description="Treat redis_url as a Redis Cluster seed node.")
-    redis_ttl: int = Field(86400, ge=0, description="Seconds a chunk lives in Redis; 0 = no expiry.")
+    redis_ttl: int = Field(
+        86400, ge=0, description="Seconds a chunk lives in Redis; 0 = no expiry."
+    )
     redis_timeout: float = Field(1.0, gt=0, description="Seconds allowed for one Redis call.")
     redis_pool_size: int = Field(8, ge=1, le=256, description="Parallel Redis connections.")
     breaker_period: float = Field(
@@ -204,7 +207,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise SettingsError(f"{CONFIG_FILE_ENV}={path}: cannot read the file ({exc.strerror})") from exc
+        raise SettingsError(
+            f"{CONFIG_FILE_ENV}={path}: cannot read the file ({exc.strerror})"
+        ) from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -212,7 +217,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise SettingsError(f"{CONFIG_FILE_ENV}={path}: expected a mapping of setting names to values")
+        raise SettingsError(
+            f"{CONFIG_FILE_ENV}={path}: expected a mapping of setting names to values"
+        )
     # Accept either `cpu_size:` or the env-style `KVTIER_CPU_SIZE:` spelling; a nested `kvtier:` block too.
     if set(data) == {"kvtier"} and isinstance(data["kvtier"], dict):
         data = data["kvtier"]
@@ -250,7 +257,9 @@ def _layers(
         values[name], sources[name] = value, "extra_config"
     if unknown:
         known = ", ".join(sorted(FIELD_NAMES))
-        raise SettingsError(f"unknown kvtier setting(s): {'; '.join(unknown)}. Known settings: {known}")
+        raise SettingsError(
+            f"unknown kvtier setting(s): {'; '.join(unknown)}. Known settings: {known}"
+        )
     if config_file:
         values["config_file"], sources["config_file"] = config_file, "env"
     return values, sources, config_file

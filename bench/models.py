@@ -10,13 +10,15 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-WORDS = (
-    "the cache keeps every token it has seen before and loads it back when a prompt repeats "
-    "a system prompt a document a chat turn memory disk redis chunk block layer page tier "
-    "request scheduler worker model output token prefix hash lease slot arena copy save load "
-    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
-    "sigma tau upsilon phi chi psi omega one two three four five six seven eight nine ten"
-).split()
+WORDS = tuple(
+    (
+        "the cache keeps every token it has seen before and loads it back when a prompt repeats a system "
+        "prompt a document a chat turn memory disk redis chunk block layer page tier request scheduler "
+        "worker model output token prefix hash lease slot arena copy save load alpha beta gamma delta "
+        "epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
+        "omega one two three four five six seven eight nine ten"
+    ).split()
+)
 
 
 @dataclass(frozen=True)

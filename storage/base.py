@@ -52,6 +52,10 @@ class UnknownNamespaceError(StorageError):
     """A call named a namespace that was never registered with the store."""
 
 
+class SlotStateError(StorageError):
+    """A slot was committed, aborted or freed that is not in a state allowing it (a caller bug)."""
+
+
 # ---------------------------------------------------------------------------------------------- keys
 @dataclass(frozen=True, slots=True)
 class NamespaceSpec:
@@ -119,6 +123,7 @@ class StageResult:
 
     ``failed`` lists the indices (into the leased keys) that could not be staged: missing, corrupt or a
     tier error. Chunks after the first failure are still reported as staged when they were.
+    An unknown or expired lease stages nothing: every list is empty.
     """
 
     slots: list[SlotRef | None]
@@ -163,6 +168,7 @@ class StoreStats:
     write_queue_depth: int
     writes_dropped: int
     namespaces: int
+    reserve_dropped: int = 0  # reserve() answers of None because no arena space could be freed
 
 
 # ---------------------------------------------------------------------------------------------- tiers
@@ -202,6 +208,14 @@ class LowerTier(Protocol):
 
     async def close(self) -> None:
         """Release connections, threads and files."""
+
+
+@runtime_checkable
+class ClearableTier(Protocol):
+    """A lower tier that can drop everything it holds (optional; used by TieredStore.clear)."""
+
+    async def clear(self) -> int:
+        """Drop every unpinned chunk; returns how many were dropped."""
 
 
 # ---------------------------------------------------------------------------------------------- store

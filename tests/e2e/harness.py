@@ -36,7 +36,9 @@ class Outputs:
             if a != b:
                 at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
                 at = min(len(a), len(b)) if at is None else at
-                return f"prompt {i} differs at output token {at}: {a[at:at + 8]} vs {b[at:at + 8]}"
+                return (
+                    f"prompt {i} differs at output token {at}: {a[at : at + 8]} vs {b[at : at + 8]}"
+                )
         return ""
 
 
@@ -82,7 +84,9 @@ def engine_kwargs(model: str, kv_config: dict[str, Any] | None = None, **overrid
 
 
 @contextlib.contextmanager
-def running_engine(model: str, kv_config: dict[str, Any] | None = None, **overrides: Any) -> Iterator:
+def running_engine(
+    model: str, kv_config: dict[str, Any] | None = None, **overrides: Any
+) -> Iterator:
     """A vLLM LLM on the CPU build, shut down (connector included) on every path."""
     from vllm import LLM
 

@@ -1,0 +1,118 @@
+"""vLLM's configuration converted once, at the edge, into kvtier's frozen connector config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from app.settings import KVTierSettings, load_settings
+from connector.planning import Geometry
+from storage.base import NamespaceSpec
+from storage.keys import namespace_id
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedEngine(ValueError):
+    """The engine's KV cache is of a shape kvtier does not serve (the connector then stays idle)."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the connector needs, derived from vLLM's config and kvtier's settings."""
+
+    settings: KVTierSettings
+    geometry: Geometry
+    spec: NamespaceSpec
+    namespace: str
+    engine_id: str
+    num_blocks: int
+    layer_names: tuple[str, ...]
+    failure_policy: str
+    async_scheduling: bool
+
+
+def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    if layout:
+        return str(layout)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+        return str(get_kv_connector_cache_layout(vllm_config))
+    except Exception:
+        return "unknown"
+
+
+def _platform() -> str:
+    # The inner arrangement of a page depends on the backend and even the CPU instruction set.
+    import torch
+    from vllm.platforms import current_platform
+
+    name = str(getattr(current_platform, "device_type", "unknown"))
+    if name == "cpu":
+        name += ":" + str(torch.backends.cpu.get_cpu_capability())
+    return name
+
+
+def _tp_pp_rank(role_is_worker: bool) -> tuple[int, int]:
+    if not role_is_worker:
+        return 0, 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except Exception:
+        return 0, 0
+
+
+def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -> ConnectorConfig:
+    """Validate settings and derive geometry and namespace; raises SettingsError or UnsupportedEngine."""
+    kv_transfer = vllm_config.kv_transfer_config
+    settings = load_settings(extra=dict(kv_transfer.kv_connector_extra_config or {}))
+    block_size = int(vllm_config.cache_config.block_size)
+    try:
+        geometry = Geometry(block_size, settings.chunk_size)
+    except ValueError as exc:
+        raise UnsupportedEngine(f"kvtier chunk_size: {exc}") from None
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+        groups = 0 if kv_cache_config is None else len(kv_cache_config.kv_cache_groups)
+        raise UnsupportedEngine(
+            f"kvtier serves models with one KV cache group; this engine has {groups}"
+        )
+    hash_block = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block not in (None, block_size):
+        raise UnsupportedEngine(
+            f"kvtier needs block hashes per block; hash_block_size={hash_block} != {block_size}"
+        )
+    group = kv_cache_config.kv_cache_groups[0]
+    kv_spec = group.kv_cache_spec
+    parallel = vllm_config.parallel_config
+    tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
+    model = vllm_config.model_config
+    spec = NamespaceSpec(
+        model=f"{model.model}@{getattr(model, 'revision', None) or ''}",
+        kv_dtype=str(getattr(kv_spec, "dtype", vllm_config.cache_config.cache_dtype)),
+        kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{type(kv_spec).__name__}",
+        block_size=block_size,
+        chunk_size=settings.chunk_size,
+        num_layers=len(group.layer_names),
+        page_bytes=int(kv_spec.page_size_bytes),
+        tp_rank=tp_rank,
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_rank=pp_rank,
+        pp_size=int(parallel.pipeline_parallel_size),
+        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+    )
+    return ConnectorConfig(
+        settings=settings,
+        geometry=geometry,
+        spec=spec,
+        namespace=namespace_id(spec),
+        engine_id=str(kv_transfer.engine_id),
+        num_blocks=int(kv_cache_config.num_blocks),
+        layer_names=tuple(group.layer_names),
+        failure_policy=str(getattr(kv_transfer, "kv_load_failure_policy", "fail")),
+        async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+    )

@@ -1,0 +1,153 @@
+"""Block copies between vLLM's per-layer KV tensors and arena slots, as opaque bytes.
+
+A slot holds one chunk laid out ``[layer][block][page]``. A layer's page is the bytes of one block of
+that layer; some layouts split it into planes (FlashAttention's ``[2, num_blocks, ...]`` keeps K and V
+apart), so a page is the concatenation of the block's rows in every plane.
+
+This module imports torch only (no vLLM), so the CUDA data path and its benchmark run where vLLM cannot.
+On CPU, copies are ``index_select(out=slot)`` / ``index_copy_`` straight between the KV tensors and an
+arena view, with no temporary. On CUDA the arena is registered as pinned host memory and copies run on a
+side stream; ``wait()`` fences them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class LayoutError(ValueError):
+    """The KV tensors do not have a layout kvtier can copy as whole blocks."""
+
+
+def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """The layer's KV as uint8 planes of shape ``[num_blocks, plane_bytes]`` (views, no copy)."""
+    if kv.dim() >= 1 and kv.shape[0] == num_blocks and kv.is_contiguous():
+        return [kv.view(torch.uint8).view(num_blocks, -1)]
+    if kv.dim() >= 2 and kv.shape[1] == num_blocks and kv.shape[0] <= 4:
+        planes = []
+        for part in kv.unbind(0):
+            if not part.is_contiguous():
+                raise LayoutError(f"KV plane of shape {tuple(part.shape)} is not contiguous")
+            planes.append(part.view(torch.uint8).view(num_blocks, -1))
+        return planes
+    raise LayoutError(
+        f"KV tensor of shape {tuple(kv.shape)} has no leading block dimension of size {num_blocks}"
+    )
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Bytes of one block of one layer, and how they split across planes."""
+
+    plane_bytes: tuple[int, ...]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer."""
+        return sum(self.plane_bytes)
+
+
+class BlockCopier:
+    """Copies whole blocks of every layer between the KV cache and a slot buffer."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], num_blocks: int, blocks_per_chunk: int):
+        if not kv_caches:
+            raise LayoutError("no KV cache tensors were registered")
+        self.layers = [block_planes(kv, num_blocks) for kv in kv_caches]
+        shapes = {tuple(p.shape[1] for p in planes) for planes in self.layers}
+        if len(shapes) != 1:
+            raise LayoutError(f"layers have different page shapes: {sorted(shapes)}")
+        self.layout = PageLayout(shapes.pop())
+        self.blocks_per_chunk = blocks_per_chunk
+        self.device = kv_caches[0].device
+        self.num_layers = len(self.layers)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one full chunk."""
+        return self.num_layers * self.blocks_per_chunk * self.layout.page_bytes
+
+    def slot_view(self, buf: memoryview | bytearray) -> torch.Tensor:
+        """A uint8 tensor ``[layer, block, page]`` over a slot buffer (no copy)."""
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        if flat.numel() != self.chunk_bytes:
+            raise LayoutError(f"slot has {flat.numel()} bytes, a chunk needs {self.chunk_bytes}")
+        return flat.view(self.num_layers, self.blocks_per_chunk, self.layout.page_bytes)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def save(self, slot: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copy the blocks (every layer) into the first ``len(block_ids)`` block rows of the slot."""
+        ids = self._ids(block_ids)
+        n = len(block_ids)
+        if self._stream is not None:
+            # The forward wrote these blocks on the compute stream; copy only after it.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_stream():
+            for layer, planes in enumerate(self.layers):
+                dest = slot[layer, :n]
+                if len(planes) == 1 and not self._cuda:
+                    torch.index_select(planes[0], 0, ids, out=dest)
+                    continue
+                offset = 0
+                for plane in planes:
+                    width = plane.shape[1]
+                    rows = plane.index_select(0, ids)
+                    dest[:, offset : offset + width].copy_(rows, non_blocking=self._cuda)
+                    offset += width
+
+    def load(self, slot: torch.Tensor, first: int, block_ids: Sequence[int]) -> None:
+        """Copy slot block rows ``[first, first + len(block_ids))`` of every layer into the blocks."""
+        ids = self._ids(block_ids)
+        n = len(block_ids)
+        with self._on_stream():
+            for layer, planes in enumerate(self.layers):
+                src = slot[layer, first : first + n]
+                if self._cuda:
+                    src = src.to(self.device, non_blocking=True)
+                offset = 0
+                for plane in planes:
+                    width = plane.shape[1]
+                    part = src if len(planes) == 1 else src[:, offset : offset + width]
+                    plane.index_copy_(0, ids, part)
+                    offset += width
+
+    def wait(self) -> None:
+        """Block until every copy issued so far has finished (a no-op on CPU)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _on_stream(self):  # type: ignore[no-untyped-def]
+        if self._stream is None:
+            return _NullContext()
+        return torch.cuda.stream(self._stream)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def pin_host_buffer(buf: memoryview) -> bool:
+    """Register a host buffer (the arena mapping) as pinned memory for DMA; False without CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    tensor = torch.frombuffer(buf, dtype=torch.uint8)
+    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    return int(result) == 0
+
+
+def unpin_host_buffer(buf: memoryview) -> None:
+    """Undo pin_host_buffer (safe when it was never pinned)."""
+    if torch.cuda.is_available():
+        tensor = torch.frombuffer(buf, dtype=torch.uint8)
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

@@ -1,0 +1,63 @@
+"""What travels from the scheduler-side connector to the workers each step.
+
+Plain dataclasses of ints, bytes and strings: vLLM serializes scheduler output between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(slots=True)
+class ChunkLoad:
+    """Copy blocks ``[first, first + len(block_ids))`` of leased chunk ``index`` into ``block_ids``.
+
+    ``slot`` is the arena slot (offset, length) of a CPU-tier hit; None when the worker must stage
+    the lease first (a lower-tier hit, loaded asynchronously).
+    """
+
+    index: int
+    first: int
+    block_ids: list[int]
+    slot: tuple[int, int] | None = None
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """One request's load: the lease that pins its chunks and the pieces to copy."""
+
+    req_id: str
+    lease_id: str
+    chunks: list[ChunkLoad]
+    is_async: bool
+    instance_id: str = ""
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every destination block of this load."""
+        return [b for c in self.chunks for b in c.block_ids]
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Chunks of one request to store: a hash and the chunk's whole block list for each."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """One step's plan: loads, saves, requests preempted now, finished requests whose blocks we hold."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        """True when the worker has nothing to do this step."""
+        return not (self.loads or self.saves or self.preempted or self.held)

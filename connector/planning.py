@@ -1,0 +1,135 @@
+"""Pure planning: which chunks to look up, how many tokens are external, which blocks to load or save.
+
+Plain functions over vLLM's numbers, with no I/O and no vLLM objects, so tests call them directly.
+Units: tokens, blocks (vLLM's ``block_size`` tokens), chunks (``chunk_size`` tokens, a whole number of
+blocks). Chunk ``i`` covers tokens ``[i*chunk_size, (i+1)*chunk_size)`` and is named by the chained hash
+of its last block, ``block_hashes[(i+1)*blocks_per_chunk - 1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Token, block and chunk sizes of one engine."""
+
+    block_size: int
+    chunk_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.chunk_size <= 0 or self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size ({self.chunk_size}) must be a positive multiple of vLLM's block size "
+                f"({self.block_size})"
+            )
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """vLLM blocks in one chunk."""
+        return self.chunk_size // self.block_size
+
+
+def chunk_hashes(block_hashes: Sequence[bytes], geo: Geometry) -> list[bytes]:
+    """Hash of every full chunk whose last block has a hash, in order."""
+    bpc = geo.blocks_per_chunk
+    return [bytes(block_hashes[(i + 1) * bpc - 1]) for i in range(len(block_hashes) // bpc)]
+
+
+def external_tokens(
+    num_hit_chunks: int, num_computed_tokens: int, num_tokens: int, geo: Geometry
+) -> int:
+    """Tokens vLLM may take from kvtier (Invariant 3).
+
+    Block-aligned, never negative, and never the whole sequence: at least one token is left to compute
+    so the engine can sample the next one. ``num_computed_tokens`` is vLLM's block-aligned local hit.
+    """
+    if num_tokens <= 1 or num_hit_chunks <= 0:
+        return 0
+    last_loadable = ((num_tokens - 1) // geo.block_size) * geo.block_size
+    hit_end = min(num_hit_chunks * geo.chunk_size, last_loadable)
+    return max(0, hit_end - num_computed_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """Blocks ``[first, first + count)`` of chunk ``chunk``; ``table_start`` indexes the block table."""
+
+    chunk: int
+    first: int
+    count: int
+    table_start: int
+
+
+def load_spans(
+    num_computed_tokens: int, num_external_tokens: int, geo: Geometry
+) -> list[ChunkSpan]:
+    """The chunk pieces that cover the external tokens, block by block."""
+    if num_external_tokens <= 0:
+        return []
+    if num_computed_tokens % geo.block_size or num_external_tokens % geo.block_size:
+        raise ValueError("loads are block-aligned")
+    bpc = geo.blocks_per_chunk
+    start = num_computed_tokens // geo.block_size
+    end = start + num_external_tokens // geo.block_size
+    spans = []
+    block = start
+    while block < end:
+        chunk, first = divmod(block, bpc)
+        count = min(bpc - first, end - block)
+        spans.append(ChunkSpan(chunk, first, count, block))
+        block += count
+    return spans
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRange:
+    """Chunks ``[lo, hi)`` to save now, and the watermark to remember for the next step."""
+
+    lo: int
+    hi: int
+
+    @property
+    def chunks(self) -> range:
+        """Indices of the chunks to save."""
+        return range(self.lo, self.hi)
+
+
+def save_range(
+    num_computed_before: int,
+    num_new_valid_tokens: int,
+    num_hashed_blocks: int,
+    watermark: int,
+    geo: Geometry,
+    limit_tokens: int | None = None,
+) -> SaveRange:
+    """Chunks whose KV is valid after this step and whose hash is known, not planned before (Inv. 1).
+
+    ``num_computed_before`` is vLLM's ``num_computed_tokens`` before the step and
+    ``num_new_valid_tokens`` the tokens this step writes for certain (scheduled minus speculative
+    ones). ``watermark`` is ``hi`` of the previous plan: chunks below it were already planned, unless
+    vLLM moved ``num_computed_tokens`` back (preemption, a failed load), which re-plans them.
+    ``limit_tokens`` stops saving past that many tokens (the prompt, when decode saving is off).
+    Under async scheduling a chunk's hash can appear a step after its KV was written: it is planned
+    when the hash appears, since the request still holds the block.
+    """
+    chunk = geo.chunk_size
+    valid_before = num_computed_before // chunk
+    valid_after = (num_computed_before + max(0, num_new_valid_tokens)) // chunk
+    hashed = num_hashed_blocks // geo.blocks_per_chunk
+    hi = min(valid_after, hashed)
+    if limit_tokens is not None:
+        hi = min(hi, limit_tokens // chunk)
+    lo = min(valid_before, watermark, hi)
+    return SaveRange(max(0, lo), max(0, hi))
+
+
+def chunk_block_ids(block_table: Sequence[int], chunk: int, geo: Geometry) -> list[int]:
+    """vLLM block ids of one whole chunk."""
+    bpc = geo.blocks_per_chunk
+    ids = list(block_table[chunk * bpc : (chunk + 1) * bpc])
+    if len(ids) != bpc:
+        raise ValueError(f"chunk {chunk} needs {bpc} blocks; the table has {len(block_table)}")
+    return ids

@@ -1,0 +1,316 @@
+"""Scheduler-side connector: lookups, load plans and save plans. Keeps books, never does bulk I/O.
+
+Who owns what: everything here runs on vLLM's scheduler thread. Per request it keeps only what vLLM
+cannot tell it again: the block table seen in scheduler outputs, the save watermark, the current
+lease id and a lookup answer waiting for ``update_state_after_alloc``. Token counts and block hashes
+are read from vLLM's request each step, never copied. Lookups go to the service through the client
+(non-blocking futures, each waited on for at most the lookup budget).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.client import LookupReply, ServiceClient, ServiceError
+from connector.config import ConnectorConfig
+from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from connector.planning import (
+    chunk_block_ids,
+    chunk_hashes,
+    external_tokens,
+    load_spans,
+    save_range,
+)
+from connector.stats import SchedulerCounters, merge_counts
+from storage.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    future: concurrent.futures.Future[LookupReply]
+    num_chunks: int
+    lease_id: str
+    started: float
+
+
+@dataclass(slots=True)
+class _Answer:
+    reply: LookupReply
+    local_tokens: int
+    external: int
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler side remembers of one live request."""
+
+    request: Any
+    block_table: list[int] = field(default_factory=list)
+    watermark: int = 0
+    lease_id: str = ""
+    lookup: _Lookup | None = None
+    answer: _Answer | None = None
+    load: LoadJob | None = None
+    async_load_pending: bool = False
+    saved_any: bool = False
+    hit_sources: dict[Tier, int] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    """The scheduler role of KVTierConnector."""
+
+    def __init__(self, cfg: ConnectorConfig, client: ServiceClient | None) -> None:
+        self.cfg = cfg
+        self.geo = cfg.geometry
+        self.client = client
+        self.counters = SchedulerCounters()
+        self.totals: dict[str, Any] = {}
+        self._reqs: dict[str, _Request] = {}
+        self._held: list[str] = []
+        self._final_saves: list[SaveJob] = []
+        self._lease_seq = itertools.count(1)
+        self._budget_s = cfg.settings.lookup_budget_ms / 1000.0
+        self._budget_left = self._budget_s
+
+    # ------------------------------------------------------------------------------------ lookups
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """External tokens for a waiting request; None means 'ask again next step'."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Request(request)
+        st.answer = None
+        if self.client is None:
+            return 0, False
+        hashes = chunk_hashes(request.block_hashes, self.geo)
+        if len(hashes) * self.geo.chunk_size <= num_computed_tokens:
+            return 0, False
+        if st.lookup is None or st.lookup.num_chunks != len(hashes):
+            st.lookup = self._start_lookup(st, hashes)
+        lookup = st.lookup
+        waited_from = time.monotonic()
+        try:
+            reply = lookup.future.result(timeout=max(0.0, self._budget_left))
+        except concurrent.futures.TimeoutError:
+            self._budget_left = 0.0  # one slow answer per step: others don't wait behind it
+            self.counters.lookups_deferred += 1
+            return None, False
+        except (ServiceError, concurrent.futures.CancelledError) as exc:
+            st.lookup = None
+            self.counters.lookup_errors += 1
+            log.debug("kvtier lookup failed, treating as a miss: %s", exc)
+            return 0, False
+        finally:
+            self._budget_left = max(0.0, self._budget_left - (time.monotonic() - waited_from))
+        st.lookup = None
+        self.counters.observe_lookup_latency(time.monotonic() - lookup.started)
+        ext = external_tokens(
+            reply.result.num_hit, num_computed_tokens, request.num_tokens, self.geo
+        )
+        st.answer = _Answer(reply, num_computed_tokens, ext)
+        return ext, ext > 0 and self._needs_async(reply, num_computed_tokens, ext)
+
+    def _start_lookup(self, st: _Request, hashes: list[bytes]) -> _Lookup:
+        assert self.client is not None
+        lease_id = f"{self.cfg.engine_id}:{st.request.request_id}:{next(self._lease_seq)}"
+        future = self.client.lookup(self.cfg.namespace, hashes, lease_id)
+        # A new lease replaces the old one; releasing after the lookup keeps the order on the wire.
+        self._release(st)
+        st.lease_id = lease_id
+        return _Lookup(future, len(hashes), lease_id, time.monotonic())
+
+    def _needs_async(self, reply: LookupReply, local: int, ext: int) -> bool:
+        spans = load_spans(local, ext, self.geo)
+        return any(reply.result.tiers[s.chunk] != Tier.CPU for s in spans)
+
+    def _release(self, st: _Request) -> None:
+        if st.lease_id and self.client is not None:
+            self.client.release(st.lease_id)
+        st.lease_id = ""
+
+    # -------------------------------------------------------------------------------- admission
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Turn the lookup answer into a load plan for the blocks vLLM just allocated."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Request(request)
+        answer, st.answer = st.answer, None
+        if answer is None:
+            return  # e.g. the second call after an async load finished
+        admitted = answer.local_tokens + num_external_tokens
+        st.watermark = admitted // self.geo.chunk_size
+        self.counters.count_admission(request, num_external_tokens)
+        if num_external_tokens <= 0:
+            self._release(st)
+            return
+        table = list(blocks.get_block_ids()[0])
+        reply = answer.reply
+        spans = load_spans(answer.local_tokens, num_external_tokens, self.geo)
+        is_async = any(reply.result.tiers[s.chunk] != Tier.CPU for s in spans)
+        chunks = []
+        sources: dict[Tier, int] = {}
+        for s in spans:
+            slot = reply.result.slots[s.chunk]
+            chunks.append(
+                ChunkLoad(
+                    index=s.chunk,
+                    first=s.first,
+                    block_ids=table[s.table_start : s.table_start + s.count],
+                    slot=None if is_async or slot is None else (slot.offset, slot.length),
+                )
+            )
+            tier = reply.result.tiers[s.chunk]
+            sources[tier] = sources.get(tier, 0) + s.count * self.geo.block_size
+        st.hit_sources = sources
+        self.counters.count_hits(sources)
+        st.load = LoadJob(request.request_id, st.lease_id, chunks, is_async, reply.instance_id)
+        st.async_load_pending = is_async
+        st.lease_id = ""  # the worker releases it once the copy is done
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Tier, int]:
+        """Tokens of the last admission split by the tier they come from."""
+        st = self._reqs.get(request.request_id)
+        return dict(st.hit_sources) if st is not None else {}
+
+    # ------------------------------------------------------------------------------------- steps
+    def build_connector_meta(self, so: Any) -> KVTierMetadata:
+        """This step's loads, saves, preemptions and held finished requests."""
+        self._budget_left = self._budget_s
+        meta = KVTierMetadata()
+        for req_id in sorted(getattr(so, "preempted_req_ids", None) or ()):
+            self._on_preempted(req_id, meta)
+        for new in so.scheduled_new_reqs:
+            self._on_scheduled(
+                new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens, so, meta
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            new_ids = list(ids[0]) if ids is not None else []
+            resumed = req_id in cached.resumed_req_ids
+            self._on_scheduled(req_id, new_ids, resumed, cached.num_computed_tokens[i], so, meta)
+        # Async loads were planned for requests that are not scheduled this step.
+        for st in self._reqs.values():
+            if st.load is not None:
+                meta.loads.append(st.load)
+                st.load = None
+        meta.saves.extend(self._final_saves)
+        self._final_saves = []
+        meta.held, self._held = self._held, []
+        return meta
+
+    def _on_preempted(self, req_id: str, meta: KVTierMetadata) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        meta.preempted.append(req_id)
+        st.block_table = []
+        if st.load is not None:  # admitted and preempted before its load ran
+            if self.client is not None:
+                self.client.release(st.load.lease_id)
+            st.load = None
+        self.counters.preemptions += 1
+
+    def _on_scheduled(
+        self,
+        req_id: str,
+        ids: list[int],
+        replace: bool,
+        computed: int,
+        so: Any,
+        meta: KVTierMetadata,
+    ) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.block_table = ids if replace else st.block_table + ids
+        if st.load is not None:
+            meta.loads.append(st.load)
+            st.load = None
+        scheduled = so.num_scheduled_tokens.get(req_id, 0)
+        spec = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+        job = self._plan_save(st, computed, scheduled - spec)
+        if job is not None:
+            meta.saves.append(job)
+
+    def _plan_save(self, st: _Request, computed: int, new_valid: int) -> SaveJob | None:
+        request = st.request
+        limit = None if self.cfg.settings.save_decode else request.num_prompt_tokens
+        hashes = request.block_hashes
+        rng = save_range(computed, new_valid, len(hashes), st.watermark, self.geo, limit)
+        st.watermark = rng.hi
+        if not rng.chunks or self.client is None:
+            return None
+        bpc = self.geo.blocks_per_chunk
+        job = SaveJob(request.request_id, [], [])
+        for chunk in rng.chunks:
+            try:
+                ids = chunk_block_ids(st.block_table, chunk, self.geo)
+            except ValueError:
+                break  # blocks not known (should not happen): save nothing past this point
+            job.hashes.append(bytes(hashes[(chunk + 1) * bpc - 1]))
+            job.block_ids.append(ids)
+        if not job.hashes:
+            return None
+        st.saved_any = True
+        return job
+
+    def update_connector_output(self, output: Any) -> None:
+        """Note async loads that finished (the worker released their leases)."""
+        for req_id in getattr(output, "finished_recving", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.async_load_pending = False
+
+    # ------------------------------------------------------------------------------- lifecycle
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Release the lease; hold the blocks while saves (or an async load) may still read them."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        self._release(st)
+        if st.lookup is not None and self.client is not None:
+            self.client.release(st.lookup.lease_id)
+        if st.load is not None:  # planned but never sent: nothing reads the blocks
+            if self.client is not None:
+                self.client.release(st.load.lease_id)
+            st.load = None
+            return False, None
+        if st.async_load_pending:
+            return True, None  # the worker reports it in finished_recving when the copy ends
+        final = self._final_save(st, request, block_ids)
+        if final is not None:
+            self._final_saves.append(final)
+        if st.saved_any:
+            self._held.append(request.request_id)
+            return True, None
+        return False, None
+
+    def _final_save(self, st: _Request, request: Any, block_ids: list[int]) -> SaveJob | None:
+        # Chunks whose hash appeared after their KV was written (async scheduling) and whose KV is
+        # valid: the request's in-flight tokens are not computed yet.
+        valid = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        st.block_table = list(block_ids)
+        return self._plan_save(st, valid, 0)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last call (reset on read); ``totals`` keeps the running sums."""
+        data = self.counters.take()
+        self.totals = merge_counts(self.totals, data)
+        return data
+
+    def shutdown(self) -> None:
+        """Release every lease this side still holds."""
+        for st in self._reqs.values():
+            self._release(st)
+        self._reqs.clear()

@@ -1,0 +1,87 @@
+"""Connector counters, reported through vLLM's KV-connector stats (scheduler and worker sides).
+
+Counted per admission from fresh values, never decremented: no counter can go negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from storage.base import Tier
+
+
+@dataclass
+class SchedulerCounters:
+    """Scheduler-side counts since the last report."""
+
+    admissions: int = 0
+    readmissions: int = 0
+    admissions_with_hit: int = 0
+    external_tokens: int = 0
+    hit_tokens_cpu: int = 0
+    hit_tokens_disk: int = 0
+    hit_tokens_redis: int = 0
+    lookups_deferred: int = 0
+    lookup_errors: int = 0
+    lookup_count: int = 0
+    lookup_seconds: float = 0.0
+    preemptions: int = 0
+
+    def count_admission(self, request: Any, num_external_tokens: int) -> None:
+        """One admission of a request (a re-admission after preemption counts as such)."""
+        self.admissions += 1
+        if getattr(request, "num_preemptions", 0) > 0:
+            self.readmissions += 1
+        if num_external_tokens > 0:
+            self.admissions_with_hit += 1
+            self.external_tokens += num_external_tokens
+
+    def count_hits(self, sources: dict[Tier, int]) -> None:
+        """Hit tokens of one admission by tier."""
+        for tier, tokens in sources.items():
+            name = f"hit_tokens_{tier.label}"
+            setattr(self, name, getattr(self, name) + max(0, tokens))
+
+    def observe_lookup_latency(self, seconds: float) -> None:
+        """One answered lookup's round trip."""
+        self.lookup_count += 1
+        self.lookup_seconds += max(0.0, seconds)
+
+    def take(self) -> dict[str, Any]:
+        """The counts so far, then zero them."""
+        data = asdict(self)
+        for f in fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
+        return data
+
+
+@dataclass
+class WorkerCounters:
+    """Worker-side counts since the last report."""
+
+    loaded_tokens: int = 0
+    loaded_chunks: int = 0
+    failed_load_chunks: int = 0
+    failed_load_blocks: int = 0
+    saved_tokens: int = 0
+    saved_chunks: int = 0
+    save_skipped_chunks: int = 0
+    save_errors: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+
+    def take(self) -> dict[str, Any]:
+        """The counts so far, then zero them."""
+        data = asdict(self)
+        for f in fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
+        return data
+
+
+def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Sum two count dicts key by key."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out.get(key, 0) + value
+    return out

@@ -1,0 +1,328 @@
+"""Worker-side connector: copies KV blocks between vLLM's cache and arena slots, reports completions.
+
+Who owns what: vLLM's worker thread owns this object and every copy. The service client's thread only
+completes futures; results are consumed here, on the worker thread, when vLLM polls. Per step:
+``bind_connector_metadata`` fires the reserves for this step's saves; ``start_load_kv`` copies CPU-tier
+hits into their blocks before the forward and fires stages for lower-tier hits; ``wait_for_save`` copies
+finished blocks into reserved slots and commits them; ``get_finished`` completes async loads and
+reports held requests. Nothing waits on the service longer than a small bound.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.client import HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
+from connector.config import ConnectorConfig
+from connector.copy import BlockCopier, pin_host_buffer, unpin_host_buffer
+from connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from connector.stats import WorkerCounters, merge_counts
+from storage.arena import ArenaMapping
+from storage.base import SlotRef
+
+log = logging.getLogger(__name__)
+
+# Bound on waiting for this step's reserve answers in wait_for_save; past it the saves are skipped.
+SAVE_WAIT_S = 0.05
+HELLO_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    job: LoadJob
+    future: concurrent.futures.Future[StageReply]
+    started: float
+
+
+class _Arena:
+    """The worker's mapping of the service's arena, tied to one service instance."""
+
+    def __init__(self) -> None:
+        self.instance_id = ""
+        self.mapping: ArenaMapping | None = None
+        self.pinned = False
+
+    def adopt(self, hello: HelloReply) -> None:
+        """Map the arena of this service instance (replacing an older one)."""
+        if hello.instance_id == self.instance_id and self.mapping is not None:
+            return
+        self.close()
+        mapping = ArenaMapping.open(hello.arena)
+        self.mapping = mapping
+        self.instance_id = hello.instance_id
+        self.pinned = pin_host_buffer(mapping.view(SlotRef(0, hello.arena.size)))
+
+    def view(self, instance_id: str, slot: SlotRef) -> memoryview | None:
+        """The slot's bytes when they belong to the mapped instance, else None."""
+        if self.mapping is None or instance_id != self.instance_id:
+            return None
+        return self.mapping.view(slot)
+
+    def close(self) -> None:
+        """Unpin and unmap."""
+        if self.mapping is not None:
+            if self.pinned:
+                unpin_host_buffer(self.mapping.view(SlotRef(0, self.mapping.size)))
+            self.mapping.close()
+        self.mapping, self.instance_id, self.pinned = None, "", False
+
+
+class WorkerSide:
+    """The worker role of KVTierConnector."""
+
+    def __init__(self, cfg: ConnectorConfig, client: ServiceClient | None) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.counters = WorkerCounters()
+        self.totals: dict[str, Any] = {}
+        self.copier: BlockCopier | None = None
+        self._arena = _Arena()
+        self._lock = threading.Lock()  # guards _late_errors, written from client callbacks
+        self._late_errors = 0
+        self._reserves: list[tuple[SaveJob, concurrent.futures.Future[ReserveReply]]] = []
+        self._async: dict[str, _PendingLoad] = {}
+        self._load_errors: set[int] = set()
+        self._failed_this_step: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._held: set[str] = set()
+        self._hello: concurrent.futures.Future[HelloReply] | None = None
+        if client is not None:
+            self._hello = client.hello(cfg.spec)
+
+    # ---------------------------------------------------------------------------------- setup
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Build the block copier over the layers, in the order of vLLM's KV cache group."""
+        layers = [kv_caches[name] for name in self.cfg.layer_names]
+        copier = BlockCopier(layers, self.cfg.num_blocks, self.cfg.geometry.blocks_per_chunk)
+        if copier.layout.page_bytes != self.cfg.spec.page_bytes:
+            raise ValueError(
+                f"KV page is {copier.layout.page_bytes} bytes, vLLM's spec says {self.cfg.spec.page_bytes}"
+            )
+        self.copier = copier
+        self._refresh_arena(wait=HELLO_WAIT_S)
+
+    def _refresh_arena(self, wait: float = 0.0) -> None:
+        """Map the arena of the service instance the client is connected to, if it changed."""
+        if self.client is None:
+            return
+        hello = self._hello
+        if hello is not None:
+            try:
+                self._arena.adopt(hello.result(timeout=wait))
+            except (ServiceError, concurrent.futures.TimeoutError, OSError) as exc:
+                log.warning(
+                    "kvtier: service not reachable yet (%s); loads and saves are skipped", exc
+                )
+            except Exception as exc:  # a failed mapping must not take vLLM down
+                log.warning("kvtier: cannot map the arena: %s", exc)
+            else:
+                self._hello = None
+                return
+            if not hello.done():
+                return
+            self._hello = None
+        if self.client.connected and self.client.instance_id != self._arena.instance_id:
+            self._hello = self.client.hello(self.cfg.spec)
+
+    @property
+    def ready(self) -> bool:
+        """True when copies can run: KV caches registered and an arena mapped."""
+        return self.copier is not None and self._arena.mapping is not None
+
+    # ---------------------------------------------------------------------------------- steps
+    def bind(self, meta: KVTierMetadata) -> None:
+        """Start this step's reserves early, so their answers are in by wait_for_save."""
+        self._failed_this_step = set()
+        self._held.update(meta.held)  # reported in get_finished whatever else happens
+        self._refresh_arena()
+        if self.client is None or not self.ready:
+            return
+        for job in meta.saves:
+            self._reserves.append((job, self.client.reserve(self.cfg.namespace, job.hashes)))
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """Fence: copies reading blocks of requests preempted now must end before blocks are reused."""
+        if meta.preempted and self.copier is not None:
+            self.copier.wait()
+
+    def start_load(self, meta: KVTierMetadata) -> None:
+        """Copy CPU-tier hits into their blocks now; stage lower-tier hits asynchronously."""
+        for job in meta.loads:
+            if job.is_async:
+                if self.client is None or not self.ready:
+                    self._fail_job(job, range(len(job.chunks)))
+                    self._finished_recving.add(job.req_id)
+                    continue
+                future = self.client.stage(job.lease_id)
+                self._async[job.req_id] = _PendingLoad(job, future, time.monotonic())
+            else:
+                self._load_sync(job)
+
+    def _load_sync(self, job: LoadJob) -> None:
+        started = time.monotonic()
+        failed = []
+        for i, chunk in enumerate(job.chunks):
+            slot = None if chunk.slot is None else SlotRef(*chunk.slot)
+            buf = None if slot is None else self._arena.view(job.instance_id, slot)
+            if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
+                failed.append(i)
+        if self.copier is not None:
+            self.copier.wait()
+        self._account_load(job, failed, started)
+        self._release(job.lease_id)
+
+    def _copy_in(self, buf: memoryview, first: int, block_ids: list[int]) -> bool:
+        assert self.copier is not None
+        try:
+            self.copier.load(
+                self.copier.slot_view(buf[: self.copier.chunk_bytes]), first, block_ids
+            )
+        except Exception as exc:
+            log.warning("kvtier: load copy failed: %s", exc)
+            return False
+        return True
+
+    def _account_load(self, job: LoadJob, failed: list[int], started: float) -> None:
+        self.counters.load_seconds += time.monotonic() - started
+        ok = [c for i, c in enumerate(job.chunks) if i not in set(failed)]
+        self.counters.loaded_chunks += len(ok)
+        self.counters.loaded_tokens += (
+            sum(len(c.block_ids) for c in ok) * self.cfg.geometry.block_size
+        )
+        if failed:
+            self._fail_job(job, failed)
+
+    def _fail_job(self, job: LoadJob, failed: Any) -> None:
+        blocks = {b for i in failed for b in job.chunks[i].block_ids}
+        self._load_errors |= blocks
+        self._failed_this_step.add(job.req_id)
+        self.counters.failed_load_chunks += len(list(failed))
+        self.counters.failed_load_blocks += len(blocks)
+
+    def _finish_async(self, pending: _PendingLoad) -> None:
+        job = pending.job
+        try:
+            reply = pending.future.result(timeout=0)
+        except Exception as exc:
+            log.debug("kvtier: stage of %s failed: %s", job.req_id, exc)
+            self._fail_job(job, range(len(job.chunks)))
+            self._release(job.lease_id)
+            return
+        if reply.instance_id != self._arena.instance_id:
+            self._refresh_arena(wait=0.0)
+        failed = []
+        staged = reply.result
+        for i, chunk in enumerate(job.chunks):
+            slot = staged.slots[chunk.index] if chunk.index < len(staged.slots) else None
+            bad = chunk.index in staged.failed or slot is None
+            buf = None if bad or slot is None else self._arena.view(reply.instance_id, slot)
+            if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
+                failed.append(i)
+        if self.copier is not None:
+            self.copier.wait()
+        self._account_load(job, failed, pending.started)
+        self._release(job.lease_id)
+
+    def wait_for_save(self) -> None:
+        """Copy this step's finished chunks into their reserved slots and commit them."""
+        reserves, self._reserves = self._reserves, []
+        deadline = time.monotonic() + SAVE_WAIT_S
+        for job, future in reserves:
+            try:
+                reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                future.add_done_callback(self._abort_late)
+                self.counters.save_skipped_chunks += len(job.hashes)
+                continue
+            except Exception:
+                self.counters.save_errors += 1
+                continue
+            self._save(job, reply)
+
+    def _save(self, job: SaveJob, reply: ReserveReply) -> None:
+        assert self.client is not None and self.copier is not None
+        started = time.monotonic()
+        skip = job.req_id in self._failed_this_step  # nothing computed on a failed load is stored
+        hashes, slots, unused = [], [], []
+        for h, ids, slot in zip(job.hashes, job.block_ids, reply.slots, strict=True):
+            if slot is None:
+                self.counters.save_skipped_chunks += 1
+                continue
+            buf = None if skip else self._arena.view(reply.instance_id, slot)
+            if buf is None:
+                unused.append(slot)
+                continue
+            try:
+                self.copier.save(self.copier.slot_view(buf[: self.copier.chunk_bytes]), ids)
+            except Exception as exc:
+                log.warning("kvtier: save copy failed: %s", exc)
+                unused.append(slot)
+                continue
+            hashes.append(h)
+            slots.append(slot)
+        self.copier.wait()
+        if unused:
+            self.client.abort(unused, reply.instance_id)
+        if slots:
+            commit = self.client.commit(self.cfg.namespace, hashes, slots, reply.instance_id)
+            commit.add_done_callback(self._count_late_error)
+            self.counters.saved_chunks += len(slots)
+            self.counters.saved_tokens += len(slots) * self.cfg.geometry.chunk_size
+        self.counters.save_seconds += time.monotonic() - started
+
+    def _abort_late(self, future: concurrent.futures.Future[ReserveReply]) -> None:
+        # A reserve answered after we gave up: hand its slots back so none leak.
+        try:
+            reply = future.result()
+        except Exception:
+            return
+        slots = [s for s in reply.slots if s is not None]
+        if slots and self.client is not None:
+            self.client.abort(slots, reply.instance_id)
+
+    def _count_late_error(self, future: concurrent.futures.Future[Any]) -> None:
+        if future.exception() is not None:
+            with self._lock:
+                self._late_errors += 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Requests whose held blocks are free to go, and async loads that completed."""
+        for req_id, pending in list(self._async.items()):
+            if pending.future.done():
+                del self._async[req_id]
+                self._finish_async(pending)
+                self._finished_recving.add(req_id)
+        recving, self._finished_recving = self._finished_recving, set()
+        if self._held and self.copier is not None:
+            self.copier.wait()
+        sending, self._held = self._held, set()
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _release(self, lease_id: str) -> None:
+        if self.client is not None and lease_id:
+            self.client.release(lease_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last call (reset on read)."""
+        data = self.counters.take()
+        with self._lock:
+            data["save_errors"] += self._late_errors
+            self._late_errors = 0
+        self.totals = merge_counts(self.totals, data)
+        return data
+
+    def shutdown(self) -> None:
+        """Finish copies and unmap the arena."""
+        if self.copier is not None:
+            self.copier.wait()
+        self._arena.close()

@@ -1,0 +1,382 @@
+"""The shared-memory arena: one tmpfs file mapped by the service and by vLLM workers, cut in slots.
+
+Who owns what:
+- ``Arena`` (service process) creates the file, owns its mapping, its pre-fault thread and its
+  unlink. It is not thread-safe apart from the pre-fault thread, which only asks the kernel to
+  populate pages.
+- ``ArenaMapping`` (any process) maps an existing arena by path and hands out views of slots.
+- ``SlotAllocator`` (service event loop) owns the byte ranges; the CPU tier decides what lives in
+  them.
+
+Allocator choice: a free-extent allocator (best fit, 4 KiB aligned, neighbours coalesced on free)
+rather than per-size slabs. Each namespace's slots have its own ``chunk_bytes`` and several
+namespaces share one ``cpu_size`` budget; slabs would have to fix how much of the arena each size
+may hold, or move whole slabs between sizes by evicting everything in them. With one namespace (the
+common case) every extent has the same size, any freed slot fits the next chunk and eviction is
+exact LRU. With mixed sizes, best fit keeps large holes for large chunks; the CPU tier evicts LRU
+victims until a hole fits, which can evict more bytes than strictly needed when pinned chunks
+fragment the arena (bounded by the unpinned chunks).
+
+Pre-faulting: the first write to a fresh tmpfs page costs a page fault plus zeroing (about 1-2 GB/s
+here, against 11-24 GB/s into touched pages). A background thread allocates the file's pages with
+``posix_fallocate`` (no GIL held, and running out of tmpfs shows up as an error instead of a SIGBUS
+on a later write) and populates this process's page tables with ``MADV_POPULATE_WRITE``, a few MiB
+at a time so startup never waits for it. It never writes data, so slots in use while it runs are
+unharmed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+ARENA_PREFIX = "kvtier-"
+ARENA_SUFFIX = ".arena"
+_ARENA_NAME = re.compile(r"^kvtier-[0-9a-f]+\.arena$")
+_PREFAULT_STEP = 32 << 20  # bytes per fallocate call: short enough to stop promptly
+_POPULATE_STEP = 4 << 20  # bytes per madvise call, which runs with the GIL held
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_STALE_AGE_S = 10.0  # a dead owner's file this young may still be in the middle of its creation
+
+
+def align_up(n: int, align: int = PAGE) -> int:
+    """n rounded up to a multiple of align."""
+    return (n + align - 1) // align * align
+
+
+# -------------------------------------------------------------------------------- mapping
+class ArenaMapping:
+    """A read/write mapping of an existing arena file, used by worker processes and the Arena."""
+
+    def __init__(self, fd: int, path: str, size: int) -> None:
+        self.path = path
+        self.size = size
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except (OSError, ValueError) as exc:
+            raise ArenaError(f"cannot map arena {path} ({size} bytes): {exc}") from exc
+        self._base: memoryview | None = memoryview(self._mm)
+        self._stop = threading.Event()
+        self._prefaulted = threading.Event()
+        self._prefaulted.set()
+        self._thread: threading.Thread | None = None
+        self.prefault_error: str | None = None
+
+    @classmethod
+    def open(cls, info: ArenaInfo | str, *, prefault: bool = False) -> ArenaMapping:
+        """Map the arena named by info (or a path); the size is checked against the file.
+
+        With prefault, a background thread maps every page into this process, so a worker's first
+        copies into the arena do not page-fault.
+        """
+        path = info if isinstance(info, str) else info.path
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ArenaError(f"cannot open arena {path}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ArenaError(f"arena {path} is not a regular file")
+            if not isinstance(info, str) and st.st_size != info.size:
+                raise ArenaError(f"arena {path} has {st.st_size} bytes, expected {info.size}")
+            if st.st_size <= 0:
+                raise ArenaError(f"arena {path} is empty")
+            mapping = cls(fd, path, st.st_size)
+        finally:
+            os.close(fd)  # the mapping keeps the file alive
+        if prefault:
+            mapping._start_prefault(None)
+        return mapping
+
+    @property
+    def closed(self) -> bool:
+        """True once close() ran."""
+        return self._base is None
+
+    def view(self, slot: SlotRef) -> memoryview:
+        """Writable view of a slot's bytes (no copy); release it (or let it go) before close()."""
+        if self._base is None:
+            raise ArenaError(f"arena {self.path} is closed")
+        if slot.offset < 0 or slot.length < 0 or slot.offset + slot.length > self.size:
+            raise SlotStateError(f"{slot} lies outside the arena of {self.size} bytes")
+        return self._base[slot.offset : slot.offset + slot.length]
+
+    def ndarray(self, slot: SlotRef, dtype: np.dtype | type = np.uint8) -> np.ndarray:
+        """The slot as a 1-D numpy array of dtype, sharing memory with the arena."""
+        return np.frombuffer(self.view(slot), dtype=dtype)
+
+    # -------------------------------------------------------------------------- pre-faulting
+    @property
+    def prefaulted(self) -> bool:
+        """True once every page is mapped here (or pre-faulting gave up, see prefault_error)."""
+        return self._prefaulted.is_set()
+
+    def wait_prefaulted(self, timeout: float | None = None) -> bool:
+        """Block until pre-faulting ends (for benchmarks and tests, never on the event loop)."""
+        return self._prefaulted.wait(timeout)
+
+    def _start_prefault(self, fd: int | None) -> None:
+        self._prefaulted.clear()
+        self._thread = threading.Thread(
+            target=self._prefault, args=(fd,), name="kvtier-prefault", daemon=True
+        )
+        self._thread.start()
+
+    def _prefault(self, fd: int | None) -> None:
+        """Allocate (when fd is given) and map every page, step by step, until done or stopped."""
+        try:
+            offset = 0
+            while offset < self.size and not self._stop.is_set():
+                step = min(_PREFAULT_STEP, self.size - offset)
+                if fd is not None:
+                    os.posix_fallocate(fd, offset, step)  # allocation and zeroing, without the GIL
+                # madvise holds the GIL: small steps keep the event loop's stalls to a few ms.
+                for sub in range(offset, offset + step, _POPULATE_STEP):
+                    self._populate(sub, min(_POPULATE_STEP, offset + step - sub))
+                offset += step
+        except (OSError, ValueError) as exc:
+            # Best effort: without it the first writes are slower, nothing else changes.
+            self.prefault_error = str(exc)
+            log.warning("pre-faulting arena %s stopped: %s", self.path, exc)
+        finally:
+            self._prefaulted.set()
+
+    def _populate(self, offset: int, length: int) -> None:
+        """Fault in page tables for a byte range of this mapping without changing its contents."""
+        mm = self._mm
+        if mm is None:
+            return
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE, offset, length)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: kernel older than 5.14
+                raise
+            # Reading one byte per page maps it; on a shared tmpfs mapping the page is writable.
+            window = memoryview(mm)[offset : offset + length]
+            int(np.frombuffer(window, dtype=np.uint8)[::PAGE].sum())
+            window.release()
+
+    def _stop_prefault(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def close(self) -> None:
+        """Unmap; safe to call twice. Views still alive keep their pages mapped until dropped."""
+        self._stop_prefault()
+        base, mm = self._base, self._mm
+        self._base = self._mm = None
+        if base is not None:
+            with contextlib.suppress(BufferError):
+                base.release()
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                log.warning("arena %s closed with views alive; unmapped when dropped", self.path)
+
+
+# -------------------------------------------------------------------------------- arena
+class Arena(ArenaMapping):
+    """The service's arena: creates the 0600 file, pre-faults it, and unlinks it on close."""
+
+    def __init__(self, fd: int, path: str, size: int, prefault: bool) -> None:
+        super().__init__(fd, path, size)
+        self._fd: int | None = fd
+        if prefault:
+            self._start_prefault(fd)
+
+    @classmethod
+    def create(cls, shm_dir: str | os.PathLike[str], size: int, *, prefault: bool = True) -> Arena:
+        """Create ``<shm_dir>/kvtier-<id>.arena`` of size bytes (mode 0600, O_EXCL) and map it."""
+        if size < PAGE:
+            raise ArenaError(f"arena size {size} is below one page ({PAGE} bytes)")
+        directory = Path(shm_dir)
+        if not directory.is_dir():
+            raise ArenaError(f"shm_dir {directory} is not a directory")
+        reap_stale_arenas(directory)
+        _check_space(directory, size)
+        path = directory / f"{ARENA_PREFIX}{secrets.token_hex(8)}{ARENA_SUFFIX}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ArenaError(f"cannot create arena {path}: {exc.strerror}") from exc
+        try:
+            os.fchmod(fd, 0o600)  # a umask can only remove bits; make the mode exact anyway
+            # The owner holds this lock for its lifetime: a later service reaps files nobody holds.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, size)
+            return cls(fd, str(path), size, prefault)
+        except BaseException as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if isinstance(exc, OSError):
+                msg = f"cannot size arena {path} to {size} bytes: {exc.strerror}"
+                raise ArenaError(msg) from exc
+            raise
+
+    def info(self) -> ArenaInfo:
+        """What a client needs to map this arena."""
+        return ArenaInfo(self.path, self.size)
+
+    def close(self) -> None:
+        """Stop pre-faulting, unmap, unlink the file and drop its lock; safe to call twice."""
+        self._stop_prefault()  # before the fd closes: the thread may be in fallocate on it
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        super().close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _check_space(directory: Path, size: int) -> None:
+    # A full tmpfs would SIGBUS the first writer of an unbacked page: refuse at start instead.
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < size:
+        raise ArenaError(
+            f"shm_dir {directory} has {free} bytes free, the arena needs {size} (lower cpu_size "
+            "or enlarge the tmpfs)"
+        )
+
+
+def reap_stale_arenas(
+    directory: str | os.PathLike[str], min_age_s: float = _STALE_AGE_S
+) -> list[str]:
+    """Remove arena files whose owner died (nobody holds their lock); returns the removed paths."""
+    removed: list[str] = []
+    uid = os.getuid()
+    now = time.time()
+    for entry in os.scandir(directory):
+        if not _ARENA_NAME.match(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < min_age_s:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live service holds it
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            removed.append(entry.path)
+            log.info("removed stale arena %s (%d bytes)", entry.path, st.st_size)
+        finally:
+            os.close(fd)
+    return removed
+
+
+# -------------------------------------------------------------------------------- allocator
+class SlotAllocator:
+    """Best-fit free-extent allocator over ``[0, size)`` with PAGE alignment and coalescing."""
+
+    def __init__(self, size: int, align: int = PAGE) -> None:
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"alignment {align} is not a power of two")
+        self.align = align
+        self.capacity = size // align * align
+        self._free_offsets: list[int] = [0] if self.capacity else []
+        self._free_len: dict[int, int] = {0: self.capacity} if self.capacity else {}
+        self._used: dict[int, SlotRef] = {}
+        self._used_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of allocated extents (aligned)."""
+        return self._used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated, possibly fragmented."""
+        return self.capacity - self._used_bytes
+
+    @property
+    def slots_in_use(self) -> int:
+        """Allocated slots."""
+        return len(self._used)
+
+    def extent(self, length: int) -> int:
+        """Bytes a slot of length occupies."""
+        return align_up(max(length, 1), self.align)
+
+    def largest_free(self) -> int:
+        """Size of the largest free extent."""
+        return max(self._free_len.values(), default=0)
+
+    def alloc(self, length: int) -> SlotRef | None:
+        """A slot of exactly length bytes at an aligned offset, or None when no extent fits."""
+        need = self.extent(length)
+        best = -1
+        best_len = 0
+        for off in self._free_offsets:  # best fit; ties go to the lowest offset
+            ext = self._free_len[off]
+            if need <= ext and (best < 0 or ext < best_len):
+                best, best_len = off, ext
+                if ext == need:
+                    break
+        if best < 0:
+            return None
+        idx = bisect.bisect_left(self._free_offsets, best)
+        del self._free_offsets[idx]
+        del self._free_len[best]
+        if best_len > need:
+            rest = best + need
+            self._free_offsets.insert(idx, rest)
+            self._free_len[rest] = best_len - need
+        slot = SlotRef(best, length)
+        self._used[best] = slot
+        self._used_bytes += need
+        return slot
+
+    def is_allocated(self, slot: SlotRef) -> bool:
+        """True when slot is exactly an allocated slot."""
+        return self._used.get(slot.offset) == slot
+
+    def free(self, slot: SlotRef) -> None:
+        """Return a slot; neighbouring free extents merge. Freeing an unknown slot is a bug."""
+        if self._used.get(slot.offset) != slot:
+            raise SlotStateError(f"{slot} is not an allocated slot")
+        del self._used[slot.offset]
+        off, length = slot.offset, self.extent(slot.length)
+        self._used_bytes -= length
+        idx = bisect.bisect_left(self._free_offsets, off)
+        if idx < len(self._free_offsets) and self._free_offsets[idx] == off + length:
+            length += self._free_len.pop(off + length)
+            del self._free_offsets[idx]
+        if idx > 0:
+            prev = self._free_offsets[idx - 1]
+            if prev + self._free_len[prev] == off:
+                self._free_len[prev] += length
+                return
+        self._free_offsets.insert(idx, off)
+        self._free_len[off] = length

@@ -1,0 +1,80 @@
+"""LRU eviction policy by bytes: a small pure module (no I/O, no slots), owned by the tier that uses
+it.
+
+The policy only keeps order and sizes. Whether an entry may go (leased, queued for a write) is the
+tier's knowledge, passed in as a predicate, so the same policy serves the CPU and disk tiers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class LRUPolicy(Generic[K]):
+    """Least-recently-used order of keys with their sizes in bytes."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[K, int] = OrderedDict()  # first = least recently used
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the sizes of every tracked key."""
+        return self._bytes
+
+    def add(self, key: K, nbytes: int) -> None:
+        """Track key as most recently used (re-adding replaces its size)."""
+        if nbytes < 0:
+            raise ValueError(f"negative size {nbytes}")
+        old = self._order.pop(key, None)
+        if old is not None:
+            self._bytes -= old
+        self._order[key] = nbytes
+        self._bytes += nbytes
+
+    def touch(self, key: K) -> bool:
+        """Mark key most recently used (a hit); False when it is not tracked."""
+        if key not in self._order:
+            return False
+        self._order.move_to_end(key)
+        return True
+
+    def remove(self, key: K) -> bool:
+        """Stop tracking key; False when it was not tracked."""
+        nbytes = self._order.pop(key, None)
+        if nbytes is None:
+            return False
+        self._bytes -= nbytes
+        return True
+
+    def iter_lru(self) -> Iterator[K]:
+        """Keys from least to most recently used (do not mutate while iterating)."""
+        return iter(self._order)
+
+    def victims(self, need_bytes: int, pinned: Callable[[K], bool]) -> list[K]:
+        """LRU-first unpinned keys whose sizes add up to need_bytes; [] when they cannot.
+
+        Nothing is removed: the caller evicts the victims and calls remove() for each.
+        """
+        if need_bytes <= 0:
+            return []
+        chosen: list[K] = []
+        freed = 0
+        for key, nbytes in self._order.items():
+            if pinned(key):
+                continue
+            chosen.append(key)
+            freed += nbytes
+            if freed >= need_bytes:
+                return chosen
+        return []

@@ -1,0 +1,118 @@
+"""Lease table: which chunks a lookup holds in place, in which tier, and until when.
+
+Who owns what: the store's event loop owns the table. The table keeps books only; pinning and
+unpinning slots and lower-tier keys is the store's job, done with the leases this table hands back
+when they are replaced, released or expired. Expiry uses an injected clock so tests step time by
+hand.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from storage.base import ChunkKey, SlotRef, Tier
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """The chunks one lookup found: per index its key, the tier that held it and the pins taken.
+
+    ``slots[i]`` is the CPU slot this lease pins for chunk i (a CPU hit, or a promoted lower-tier
+    hit); ``lower_pinned[i]`` says whether chunk i is pinned in its lower tier instead.
+    """
+
+    lease_id: str
+    keys: list[ChunkKey]
+    tiers: list[Tier]
+    slots: list[SlotRef | None]
+    lower_pinned: list[bool]
+    expires_at: float
+    failed: set[int] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class LeaseTable:
+    """lease_id -> Lease with a time to live; replaced leases and expired ones are handed back."""
+
+    def __init__(self, ttl: float, clock: Clock = time.monotonic) -> None:
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+        self.ttl = ttl
+        self._clock = clock
+        self._leases: dict[str, Lease] = {}
+        self._heap: list[tuple[float, int, Lease]] = []  # lazy: stale entries are skipped
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._leases
+
+    def new(
+        self,
+        lease_id: str,
+        keys: list[ChunkKey],
+        tiers: list[Tier],
+        slots: list[SlotRef | None],
+        lower_pinned: list[bool],
+    ) -> Lease:
+        """A lease expiring ttl from now (not yet in the table)."""
+        return Lease(lease_id, keys, tiers, slots, lower_pinned, self._clock() + self.ttl)
+
+    def put(self, lease: Lease) -> Lease | None:
+        """Add lease; returns the lease it replaced (same id), which the caller must unpin."""
+        old = self._leases.get(lease.lease_id)
+        self._leases[lease.lease_id] = lease
+        self._schedule(lease)
+        return old
+
+    def get(self, lease_id: str) -> Lease | None:
+        """The live lease of this id, or None (unknown or expired)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= self._clock():
+            return None
+        return lease
+
+    def is_current(self, lease: Lease) -> bool:
+        """True while lease is the table's lease of its id (not replaced, released or swept)."""
+        return self._leases.get(lease.lease_id) is lease
+
+    def renew(self, lease: Lease) -> None:
+        """Push lease's expiry to ttl from now (used when it is being loaded)."""
+        lease.expires_at = self._clock() + self.ttl
+        self._schedule(lease)
+
+    def pop(self, lease_id: str) -> Lease | None:
+        """Remove and return the lease of this id (expired or not), or None."""
+        return self._leases.pop(lease_id, None)
+
+    def sweep(self) -> list[Lease]:
+        """Remove and return every expired lease."""
+        now = self._clock()
+        expired: list[Lease] = []
+        while self._heap and self._heap[0][0] <= now:
+            when, _, lease = heapq.heappop(self._heap)
+            if lease.expires_at != when or not self.is_current(lease):
+                continue  # renewed, replaced or released since this entry was pushed
+            del self._leases[lease.lease_id]
+            expired.append(lease)
+        return expired
+
+    def drain(self) -> list[Lease]:
+        """Remove and return every lease (shutdown)."""
+        leases = list(self._leases.values())
+        self._leases.clear()
+        self._heap.clear()
+        return leases
+
+    def _schedule(self, lease: Lease) -> None:
+        heapq.heappush(self._heap, (lease.expires_at, next(self._seq), lease))

@@ -1,0 +1,569 @@
+"""The tiered store: lookup with leases, staging (promotion), reserve/commit, and the write policy.
+
+Who owns what: the service's event loop owns the store and everything in it (namespaces,
+reservations, CPU index, leases, write queue); nothing here is touched from another thread. The
+store owns the arena and the lower tiers it is given and closes them in ``close()``. Lower tiers do
+their own I/O off the loop; the store moves no payload bytes itself.
+
+Pins: a CPU chunk is pinned (never evicted, its slot never reused) by every lease that holds it and
+by its queued lower-tier write. A lower-tier hit is pinned in its tier by the lease until it is
+staged (then the lease pins the promoted CPU copy instead), released, replaced or expired.
+
+Deduplication (``reserve``): a key gets no slot when it is in the CPU index, already reserved, or in
+the write queue. Lower tiers are not asked: that would put a round trip on every save, and a chunk
+that is being saved again while a lower tier holds it is rare (the connector only saves what lookup
+missed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from storage.arena import Arena, SlotAllocator
+from storage.base import (
+    ArenaError,
+    ArenaInfo,
+    ChunkKey,
+    ClearableTier,
+    LookupResult,
+    LowerTier,
+    NamespaceSpec,
+    SlotRef,
+    SlotStateError,
+    StageResult,
+    StorageError,
+    StoreStats,
+    Tier,
+    UnknownNamespaceError,
+)
+from storage.keys import chunk_keys, namespace_id
+from storage.leases import Lease, LeaseTable
+from storage.tiers.cpu import CpuEntry, CpuTier
+from storage.writeback import WriteBack
+
+if TYPE_CHECKING:
+    from app.settings import KVTierSettings
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The store's own knobs (a subset of KVTierSettings)."""
+
+    lease_ttl: float = 60.0
+    write_policy: Literal["through", "on_reuse"] = "through"
+    write_queue_size: int = 256
+    write_workers: int = 2
+
+    @classmethod
+    def from_settings(cls, settings: KVTierSettings) -> StoreConfig:
+        """The store's knobs from the service settings."""
+        return cls(
+            lease_ttl=settings.lease_ttl,
+            write_policy=settings.write_policy,
+            write_queue_size=settings.write_queue_size,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Reservation:
+    key: ChunkKey
+    slot: SlotRef
+
+
+@dataclass(slots=True, eq=False)
+class _Promotion:
+    """One chunk being read from a lower tier, and the (lease, index) pairs waiting for it."""
+
+    key: ChunkKey
+    tier: Tier
+    waiters: list[tuple[Lease, int]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    deleted: bool = False  # delete() ran during the read: do not publish it
+
+
+class TieredStore:
+    """StoreAPI over the arena (CPU tier), leases, the write-behind queue and the lower tiers."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        lower: Sequence[LowerTier] = (),
+        config: StoreConfig | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        cfg = config or StoreConfig()
+        self._arena = arena
+        self._cfg = cfg
+        self._cpu = CpuTier(SlotAllocator(arena.size))
+        self._lower = sorted(lower, key=lambda t: t.tier)
+        self._tier_of: dict[Tier, LowerTier] = {t.tier: t for t in self._lower}
+        if len(self._tier_of) != len(self._lower) or Tier.CPU in self._tier_of:
+            raise ValueError("lower tiers must be distinct and below the CPU tier")
+        self._leases = LeaseTable(cfg.lease_ttl, clock)
+        self._writeback: WriteBack | None = None
+        if self._lower:
+            self._writeback = WriteBack(
+                self._lower, arena.view, self._write_done, cfg.write_queue_size, cfg.write_workers
+            )
+        self._namespaces: dict[str, NamespaceSpec] = {}
+        self._reserved: dict[int, _Reservation] = {}  # slot offset -> reservation
+        self._reserving: dict[ChunkKey, int] = {}  # key -> offset of its reserved slot
+        self._promotions: dict[ChunkKey, _Promotion] = {}  # reads from lower tiers in flight
+        self._reserve_dropped = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------ basics
+    @property
+    def cpu(self) -> CpuTier:
+        """The CPU tier (for stats and tests)."""
+        return self._cpu
+
+    @property
+    def lower(self) -> list[LowerTier]:
+        """Lower tiers, fastest first."""
+        return list(self._lower)
+
+    async def __aenter__(self) -> TieredStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def register(self, spec: NamespaceSpec) -> str:
+        """Register a namespace (idempotent) and return its id."""
+        self._check_open()
+        ns = namespace_id(spec)
+        if self._cpu.allocator.extent(spec.chunk_bytes) > self._cpu.allocator.capacity:
+            raise ArenaError(
+                f"a chunk of {spec.chunk_bytes} bytes does not fit the arena of {self._arena.size}"
+            )
+        self._namespaces[ns] = spec
+        return ns
+
+    def arena_info(self) -> ArenaInfo:
+        """The arena file that clients map."""
+        return self._arena.info()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("the store is closed")
+
+    def _spec(self, namespace: str) -> NamespaceSpec:
+        self._check_open()
+        spec = self._namespaces.get(namespace)
+        if spec is None:
+            raise UnknownNamespaceError(f"namespace {namespace!r} is not registered")
+        return spec
+
+    def _expire(self) -> None:
+        for lease in self._leases.sweep():
+            self._unpin_lease(lease)
+
+    # ------------------------------------------------------------------------------------ lookup
+    async def lookup(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult:
+        """Count leading stored chunks, say which tier holds each, and lease them under lease_id."""
+        self._spec(namespace)
+        self._expire()
+        keys = chunk_keys(namespace, hashes)
+        tiers: list[Tier | None] = [None] * len(keys)
+        slots: list[SlotRef | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            slot = self._cpu.get(key)
+            if slot is not None:
+                self._cpu.pin(slot)  # held across the lower-tier awaits, trimmed below
+                tiers[i], slots[i] = Tier.CPU, slot
+        try:
+            await self._probe_lower(keys, tiers)
+        except BaseException:
+            for slot in slots:
+                if slot is not None:
+                    self._cpu.unpin(slot)
+            raise
+        num_hit = next((i for i, t in enumerate(tiers) if t is None), len(keys))
+        for slot in slots[num_hit:]:
+            if slot is not None:
+                self._cpu.unpin(slot)
+        hit_tiers = [t for t in tiers[:num_hit] if t is not None]
+        hit_slots = slots[:num_hit]
+        self._count_cpu_lookup(keys, hit_tiers, len(keys))
+        for key, tier in zip(keys, hit_tiers, strict=False):  # keys may run past the prefix
+            if tier is Tier.CPU:
+                self._cpu.touch(key)
+                self._persist(self._cpu.entry(key))  # 'on_reuse' trigger; retries a dropped write
+        lower_pinned = self._pin_lower(keys[:num_hit], hit_tiers)
+        old: Lease | None
+        if num_hit:
+            lease = self._leases.new(
+                lease_id, keys[:num_hit], hit_tiers, list(hit_slots), lower_pinned
+            )
+            old = self._leases.put(lease)
+        else:
+            old = self._leases.pop(lease_id)
+        if old is not None:
+            self._unpin_lease(old)
+        return LookupResult(num_hit, hit_tiers, list(hit_slots))
+
+    async def _probe_lower(self, keys: list[ChunkKey], tiers: list[Tier | None]) -> None:
+        """Fill tiers[i] for keys missing so far, one batched contains_many per lower tier."""
+        for tier in self._lower:
+            missing = [i for i, t in enumerate(tiers) if t is None]
+            if not missing:
+                return
+            try:
+                found = await tier.contains_many([keys[i] for i in missing])
+            except Exception:  # a tier broke its never-raise contract: a miss, not an outage
+                log.exception("contains_many of tier %s raised", tier.tier.label)
+                continue
+            for i, present in zip(missing, found, strict=False):
+                if present:
+                    tiers[i] = tier.tier
+
+    def _count_cpu_lookup(self, keys: list[ChunkKey], hit_tiers: list[Tier], n: int) -> None:
+        # The CPU tier answered for the prefix and for the key that ended it.
+        hits = sum(1 for t in hit_tiers if t is Tier.CPU)
+        hit_bytes = sum(
+            self._namespaces[k.namespace].chunk_bytes
+            for k, t in zip(keys, hit_tiers, strict=False)
+            if t is Tier.CPU
+        )
+        asked = min(len(hit_tiers) + 1, n)
+        self._cpu.count_lookup(hits, hit_bytes, asked - hits)
+
+    def _pin_lower(self, keys: list[ChunkKey], tiers: list[Tier]) -> list[bool]:
+        pinned = [False] * len(keys)
+        for tier in self._lower:
+            idx = [i for i, t in enumerate(tiers) if t is tier.tier]
+            if not idx:
+                continue
+            try:
+                tier.pin([keys[i] for i in idx])
+            except Exception:
+                log.exception("pin on tier %s raised", tier.tier.label)
+                continue
+            for i in idx:
+                pinned[i] = True
+        return pinned
+
+    def _unpin_lease(self, lease: Lease) -> None:
+        """Drop every pin lease holds; clears its books so a second call does nothing."""
+        by_tier: dict[Tier, list[ChunkKey]] = {}
+        for i, key in enumerate(lease.keys):
+            slot = lease.slots[i]
+            if slot is not None:
+                lease.slots[i] = None
+                self._cpu.unpin(slot)
+            if lease.lower_pinned[i]:
+                lease.lower_pinned[i] = False
+                by_tier.setdefault(lease.tiers[i], []).append(key)
+        for tier_id, keys in by_tier.items():
+            self._unpin_lower(tier_id, keys)
+
+    def _unpin_lower(self, tier_id: Tier, keys: list[ChunkKey]) -> None:
+        try:
+            self._tier_of[tier_id].unpin(keys)
+        except Exception:
+            log.exception("unpin on tier %s raised", tier_id.label)
+
+    async def release(self, lease_id: str) -> None:
+        """End a lease (idempotent)."""
+        self._check_open()
+        lease = self._leases.pop(lease_id)
+        if lease is not None:
+            self._unpin_lease(lease)
+        self._expire()
+
+    # ------------------------------------------------------------------------------------ stage
+    async def stage(self, lease_id: str) -> StageResult:
+        """Bring every chunk of the lease into an arena slot (promoting lower-tier hits)."""
+        self._check_open()
+        self._expire()
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return StageResult([], [], [])
+        self._leases.renew(lease)
+        tasks: set[asyncio.Task[None]] = set()
+        for i in range(len(lease)):
+            if lease.slots[i] is not None or i in lease.failed:
+                continue
+            key = lease.keys[i]
+            existing = self._cpu.get(key)
+            if existing is not None:  # saved or promoted by someone else since the lookup
+                self._adopt(lease, i, existing)
+                continue
+            promo = self._promotions.get(key)
+            if promo is None:  # one read per key, however many leases wait for it
+                promo = _Promotion(key, lease.tiers[i])
+                self._promotions[key] = promo
+                promo.task = asyncio.create_task(self._promote(promo), name="kvtier-promote")
+            if not any(w is lease and j == i for w, j in promo.waiters):
+                promo.waiters.append((lease, i))
+            if promo.task is not None:
+                tasks.add(promo.task)
+        if tasks:
+            # Not cancelled with this call: each promotion publishes or frees its slot when its read
+            # ends, and hands the result to every lease still waiting for it at that moment.
+            await asyncio.wait(tasks)
+        if not self._leases.is_current(lease):
+            return StageResult([], [], [])  # released or replaced meanwhile: its slots are not held
+        return StageResult(list(lease.slots), list(lease.tiers), sorted(lease.failed))
+
+    async def _promote(self, promo: _Promotion) -> None:
+        """Read one chunk from its lower tier into a fresh slot and make it a CPU chunk."""
+        key = promo.key
+        slot: SlotRef | None = None
+        ok = False
+        try:
+            slot = self._cpu.reserve(self._namespaces[key.namespace].chunk_bytes)
+            if slot is None:
+                self._cpu.count_error("full")
+                return
+            ok = await self._read_into(self._tier_of[promo.tier], key, slot)
+        finally:
+            del self._promotions[key]
+            if slot is not None and ok and not promo.deleted:
+                self._cpu.commit(key, slot, persisted=True)  # frees slot if key arrived meanwhile
+            elif slot is not None:
+                self._cpu.free(slot)
+            held = self._cpu.get(key)
+            for lease, i in promo.waiters:
+                if held is not None:
+                    self._adopt(lease, i, held)
+                else:
+                    self._fail(lease, i)
+
+    async def _read_into(self, tier: LowerTier, key: ChunkKey, slot: SlotRef) -> bool:
+        view = self._arena.view(slot)
+        try:
+            return await tier.get_into(key, view) is True
+        except Exception:
+            log.exception("get_into of tier %s raised", tier.tier.label)
+            return False
+        finally:
+            with contextlib.suppress(BufferError):
+                view.release()
+
+    def _adopt(self, lease: Lease, i: int, slot: SlotRef) -> None:
+        """Chunk i of lease now lives in CPU slot: the lease pins it there instead of below."""
+        if not self._leases.is_current(lease):
+            return  # released meanwhile: its pins are gone, the promoted chunk stays unpinned
+        self._cpu.pin(slot)
+        lease.slots[i] = slot
+        if lease.lower_pinned[i]:
+            lease.lower_pinned[i] = False
+            self._unpin_lower(lease.tiers[i], [lease.keys[i]])
+
+    def _fail(self, lease: Lease, i: int) -> None:
+        if not self._leases.is_current(lease):
+            return
+        lease.failed.add(i)
+        if lease.lower_pinned[i]:
+            lease.lower_pinned[i] = False
+            self._unpin_lower(lease.tiers[i], [lease.keys[i]])
+
+    # ------------------------------------------------------------------------------------ saving
+    async def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
+        """A slot to fill for each key; None where the chunk is already stored or no space is left.
+
+        Dedup: see the module docstring. A None for lack of space is counted in reserve_dropped.
+        """
+        spec = self._spec(namespace)
+        self._expire()
+        out: list[SlotRef | None] = []
+        for key in chunk_keys(namespace, hashes):
+            if key in self._cpu or key in self._reserving or self._write_pending(key):
+                out.append(None)
+                continue
+            slot = self._cpu.reserve(spec.chunk_bytes)
+            if slot is None:
+                self._reserve_dropped += 1
+                out.append(None)
+                continue
+            self._reserved[slot.offset] = _Reservation(key, slot)
+            self._reserving[key] = slot.offset
+            out.append(slot)
+        return out
+
+    async def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
+        """Publish filled slots into the CPU tier; queue them for lower tiers per write policy."""
+        self._spec(namespace)
+        if len(hashes) != len(slots):
+            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots")
+        keys = chunk_keys(namespace, hashes)
+        self._check_reserved(slots, keys)
+        for key, slot in zip(keys, slots, strict=True):
+            self._unreserve(slot)
+            entry = self._cpu.commit(key, slot)
+            if self._cfg.write_policy == "through":
+                self._persist(entry)
+
+    async def abort(self, slots: list[SlotRef]) -> None:
+        """Give reserved slots back unfilled."""
+        self._check_open()
+        self._check_reserved(slots, None)
+        for slot in slots:
+            self._unreserve(slot)
+            self._cpu.free(slot)
+
+    def _check_reserved(self, slots: list[SlotRef], keys: list[ChunkKey] | None) -> None:
+        """Raise before changing anything when any slot is not reserved (for its key)."""
+        seen: set[int] = set()
+        for i, slot in enumerate(slots):
+            res = self._reserved.get(slot.offset)
+            if res is None or res.slot != slot or slot.offset in seen:
+                raise SlotStateError(f"{slot} is not a reserved slot")
+            if keys is not None and res.key != keys[i]:
+                raise SlotStateError(f"{slot} was reserved for another chunk")
+            seen.add(slot.offset)
+
+    def _unreserve(self, slot: SlotRef) -> None:
+        res = self._reserved.pop(slot.offset)
+        del self._reserving[res.key]
+
+    def _write_pending(self, key: ChunkKey) -> bool:
+        return self._writeback is not None and self._writeback.pending(key)
+
+    def _persist(self, entry: CpuEntry | None) -> None:
+        """Queue a CPU chunk for the lower tiers once; its slot stays pinned until written."""
+        if entry is None or entry.persisted or self._writeback is None:
+            return
+        self._cpu.pin(entry.slot)
+        if self._writeback.offer(entry.key, entry.slot):
+            entry.persisted = True
+        else:
+            self._cpu.unpin(entry.slot)
+
+    def _write_done(self, key: ChunkKey, slot: SlotRef) -> None:
+        self._cpu.unpin(slot)
+
+    # ------------------------------------------------------------------------------------ removal
+    async def delete(self, namespace: str, hashes: list[bytes]) -> int:
+        """Remove these chunks from every tier (leased ones too); returns how many were found."""
+        self._spec(namespace)
+        keys = chunk_keys(namespace, hashes)
+        found = [self._cpu.remove(k) for k in keys]
+        for key in keys:
+            if self._writeback is not None:
+                self._writeback.cancel(key)
+            promo = self._promotions.get(key)
+            if promo is not None:
+                promo.deleted = True
+        for tier in self._lower:
+            present = await self._contains(tier, keys)
+            found = [a or b for a, b in zip(found, present, strict=True)]
+            # Delete every key, not only those found: a tier in trouble may have answered "absent".
+            await asyncio.gather(*(tier.delete(k) for k in keys), return_exceptions=True)
+        return sum(found)
+
+    async def _contains(self, tier: LowerTier, keys: list[ChunkKey]) -> list[bool]:
+        try:
+            answer = list(await tier.contains_many(keys))
+        except Exception:
+            log.exception("contains_many of tier %s raised", tier.tier.label)
+            return [False] * len(keys)
+        return (answer + [False] * len(keys))[: len(keys)]
+
+    async def clear(self, tiers: list[Tier]) -> int:
+        """Drop every unleased chunk from the named tiers; returns how many were dropped."""
+        self._check_open()
+        self._expire()
+        dropped = self._cpu.clear() if Tier.CPU in tiers else 0
+        for tier in self._lower:
+            if tier.tier not in tiers:
+                continue
+            if isinstance(tier, ClearableTier):
+                dropped += await tier.clear()
+            else:
+                log.warning("tier %s cannot be cleared", tier.tier.label)
+        return dropped
+
+    async def flush(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 (a wait budget)
+        """Wait until every queued lower-tier write finished; False when timeout passed first."""
+        self._check_open()
+        return self._writeback is None or await self._writeback.drain(timeout)
+
+    # -------------------------------------------------------------------------------- stats, close
+    def stats(self) -> StoreStats:
+        """Counters of every tier, leases and slots."""
+        if not self._closed:
+            self._expire()
+        tiers = {"cpu": self._cpu.stats()}
+        for tier in self._lower:
+            tiers[tier.tier.label] = tier.stats()
+        alloc = self._cpu.allocator
+        wb = self._writeback
+        return StoreStats(
+            tiers=tiers,
+            leases_active=len(self._leases),
+            slots_in_use=alloc.slots_in_use,
+            slots_total_bytes=alloc.used_bytes,
+            write_queue_depth=wb.depth if wb else 0,
+            writes_dropped=wb.dropped if wb else 0,
+            namespaces=len(self._namespaces),
+            reserve_dropped=self._reserve_dropped,
+        )
+
+    async def close(self, drain_timeout: float = 5.0) -> None:
+        """Drain queued writes within the timeout, then release tiers and the arena."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout
+        try:
+            if self._writeback is not None:
+                await self._writeback.close(drain_timeout)
+            await self._settle_promotions(max(deadline - loop.time(), 0.0))
+            for lease in self._leases.drain():
+                self._unpin_lease(lease)
+            for tier in self._lower:
+                try:
+                    await tier.close()
+                except Exception:
+                    log.exception("closing tier %s failed", tier.tier.label)
+        finally:
+            self._arena.close()
+
+    async def _settle_promotions(self, budget_s: float) -> None:
+        tasks = [p.task for p in self._promotions.values() if p.task is not None]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=budget_s)
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def build_store(settings: KVTierSettings, clock: Clock = time.monotonic) -> TieredStore:
+    """The store the settings describe: arena in shm_dir, disk and Redis tiers when configured."""
+    arena = Arena.create(settings.shm_dir, int(settings.cpu_size))
+    lower: list[Any] = []
+    try:
+        if settings.disk_path:
+            from storage.tiers.disk import DiskTier
+
+            lower.append(DiskTier(settings))
+            await lower[-1].start()
+        if settings.redis_url:
+            from storage.tiers.redis import RedisTier
+
+            lower.append(RedisTier(settings))
+            await lower[-1].start()
+        return TieredStore(arena, lower, StoreConfig.from_settings(settings), clock)
+    except BaseException:
+        for tier in lower:
+            with contextlib.suppress(Exception):
+                await tier.close()
+        arena.close()
+        raise

@@ -1,0 +1,27 @@
+"""Reach the connector objects of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler-side KVTierConnector of an LLM running in this process."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_connector() -> Any:
+    """The worker-side KVTierConnector of the engine running in this process."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def scheduler_totals(llm: Any) -> dict[str, Any]:
+    """Scheduler-side counters accumulated since the engine started."""
+    return dict(scheduler_connector(llm)._sched.totals)
+
+
+def worker_totals() -> dict[str, Any]:
+    """Worker-side counters accumulated since the engine started."""
+    return dict(worker_connector()._worker.totals)

@@ -1,0 +1,126 @@
+"""CPU tier: zero-copy commit, LRU eviction by bytes, pins, removal of pinned chunks, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.arena import PAGE, SlotAllocator
+from storage.base import ChunkKey, SlotRef, SlotStateError
+from storage.tiers.cpu import CpuTier
+
+CHUNK = 4 * PAGE
+
+
+def key(i: int, ns: str = "ns") -> ChunkKey:
+    return ChunkKey(ns, i.to_bytes(8, "big"))
+
+
+def make(chunks: int = 4) -> CpuTier:
+    return CpuTier(SlotAllocator(chunks * CHUNK))
+
+
+def put(tier: CpuTier, i: int, length: int = CHUNK) -> SlotRef:
+    slot = tier.reserve(length)
+    assert slot is not None
+    entry = tier.commit(key(i), slot)
+    assert entry.slot is slot  # zero copy: the filled slot itself is published
+    return slot
+
+
+def test_commit_publishes_the_reserved_slot() -> None:
+    tier = make()
+    slot = put(tier, 1)
+    assert tier.get(key(1)) == slot and key(1) in tier
+    stats = tier.stats()
+    assert (stats.chunks, stats.bytes, stats.stores) == (1, CHUNK, 1)
+    assert stats.capacity == 4 * CHUNK
+
+
+def test_lru_eviction_by_bytes() -> None:
+    tier = make(3)
+    for i in range(3):
+        put(tier, i)
+    tier.touch(key(0))  # 1 is now the least recently used
+    put(tier, 3)
+    assert key(1) not in tier and all(key(i) in tier for i in (0, 2, 3))
+    assert tier.stats().evictions == 1
+
+
+def test_pinned_chunks_are_never_evicted() -> None:
+    tier = make(2)
+    a = put(tier, 0)
+    put(tier, 1)
+    tier.pin(a)
+    c = put(tier, 2)  # evicts 1, the only unpinned chunk
+    assert key(0) in tier and key(1) not in tier
+    tier.pin(c)
+    assert tier.reserve(CHUNK) is None  # everything pinned: no slot
+    tier.unpin(a)
+    assert tier.reserve(CHUNK) is not None
+
+
+def test_remove_of_pinned_chunk_keeps_slot_until_unpinned() -> None:
+    tier = make(1)
+    slot = put(tier, 0)
+    tier.pin(slot)
+    assert tier.remove(key(0)) and not tier.remove(key(0))
+    assert key(0) not in tier
+    assert tier.reserve(CHUNK) is None  # the slot is still in use by its pin holder
+    tier.unpin(slot)
+    assert tier.reserve(CHUNK) == SlotRef(0, CHUNK)
+
+
+def test_duplicate_commit_keeps_the_first_and_frees_the_second() -> None:
+    tier = make(2)
+    first = put(tier, 0)
+    second = tier.reserve(CHUNK)
+    assert second is not None
+    entry = tier.commit(key(0), second)
+    assert entry.slot == first
+    assert tier.allocator.slots_in_use == 1
+
+
+def test_state_errors() -> None:
+    tier = make(2)
+    slot = put(tier, 0)
+    with pytest.raises(SlotStateError):
+        tier.free(slot)  # committed, not a reservation
+    with pytest.raises(SlotStateError):
+        tier.commit(key(1), slot)  # already committed
+    with pytest.raises(SlotStateError):
+        tier.commit(key(1), SlotRef(CHUNK, CHUNK))  # never reserved
+    with pytest.raises(SlotStateError):
+        tier.unpin(slot)
+    with pytest.raises(SlotStateError):
+        tier.pin(SlotRef(CHUNK, CHUNK))
+
+
+def test_clear_drops_only_unpinned() -> None:
+    tier = make(3)
+    a = put(tier, 0)
+    put(tier, 1)
+    tier.pin(a)
+    assert tier.clear() == 1
+    assert key(0) in tier and len(tier) == 1
+    assert tier.stats().evictions == 0
+
+
+def test_two_chunk_sizes_share_the_budget() -> None:
+    tier = make(4)  # 4 small chunks or 2 big ones
+    for i in range(4):
+        put(tier, i)
+    big = tier.reserve(2 * CHUNK)  # needs two adjacent small slots gone
+    assert big is not None and big.length == 2 * CHUNK
+    assert tier.stats().evictions == 2
+    assert tier.allocator.used_bytes == 4 * CHUNK
+    assert tier.reserve(8 * CHUNK) is None  # larger than the arena
+
+
+def test_stats_are_snapshots() -> None:
+    tier = make()
+    snap = tier.stats()
+    snap.count_error("x")
+    snap.hits = 99
+    tier.count_lookup(2, 2 * CHUNK, 1)
+    fresh = tier.stats()
+    assert fresh.errors == {} and (fresh.hits, fresh.misses, fresh.bytes_read) == (2, 1, 2 * CHUNK)

@@ -1,0 +1,56 @@
+"""The pure LRU policy: order, byte accounting, victims by bytes, pinned keys skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.eviction import LRUPolicy
+
+
+def _policy(*items: tuple[str, int]) -> LRUPolicy[str]:
+    lru: LRUPolicy[str] = LRUPolicy()
+    for key, nbytes in items:
+        lru.add(key, nbytes)
+    return lru
+
+
+def test_order_and_touch() -> None:
+    lru = _policy(("a", 1), ("b", 1), ("c", 1))
+    assert list(lru.iter_lru()) == ["a", "b", "c"]
+    assert lru.touch("a")
+    assert list(lru.iter_lru()) == ["b", "c", "a"]
+    assert not lru.touch("zz")
+    assert "a" in lru and len(lru) == 3
+
+
+def test_bytes_follow_add_readd_remove() -> None:
+    lru = _policy(("a", 10), ("b", 20))
+    assert lru.total_bytes == 30
+    lru.add("a", 5)  # re-adding replaces the size and makes it most recent
+    assert lru.total_bytes == 25
+    assert list(lru.iter_lru()) == ["b", "a"]
+    assert lru.remove("b") and not lru.remove("b")
+    assert lru.total_bytes == 5
+    with pytest.raises(ValueError):
+        lru.add("x", -1)
+
+
+def test_victims_are_lru_first_and_just_enough() -> None:
+    lru = _policy(("a", 10), ("b", 10), ("c", 10), ("d", 10))
+    assert lru.victims(15, lambda k: False) == ["a", "b"]
+    assert lru.victims(10, lambda k: False) == ["a"]
+    assert len(lru) == 4  # picking does not remove
+    assert lru.victims(0, lambda k: False) == []
+
+
+def test_victims_skip_pinned() -> None:
+    lru = _policy(("a", 10), ("b", 10), ("c", 10))
+    pinned = {"a", "c"}
+    assert lru.victims(10, pinned.__contains__) == ["b"]
+    assert lru.victims(20, pinned.__contains__) == []  # cannot be met: evict nothing
+
+
+def test_touch_protects_from_eviction() -> None:
+    lru = _policy(("a", 10), ("b", 10))
+    lru.touch("a")
+    assert lru.victims(10, lambda k: False) == ["b"]
