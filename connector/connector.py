@@ -64,19 +64,10 @@ def _hit_source(tier: Tier) -> Any:
 
 
 def _connect(cfg: ConnectorConfig) -> ServiceClient:
-    settings = cfg.settings
-    if settings.service_url:
-        return ServiceClient(settings.service_url, settings.auth_token, name="kvtier-client")
-    from app.embedded import ensure_service
+    from app.embedded import connect
 
-    # Embedded default: a private service per engine, restarted by the next call if it dies.
-    url = ensure_service(settings, cfg.engine_id)
-    return ServiceClient(
-        url,
-        settings.auth_token,
-        on_unavailable=lambda: ensure_service(settings, cfg.engine_id),
-        name="kvtier-client",
-    )
+    # service_url set: that service; empty: the engine's private service, restarted if it dies.
+    return connect(cfg.settings, cfg.engine_id, name="kvtier-client")
 
 
 class KVTierConnector(KVConnectorBase_V1):

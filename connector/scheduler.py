@@ -57,7 +57,6 @@ class _Request:
     lease_id: str = ""
     lookup: _Lookup | None = None
     answer: _Answer | None = None
-    load: LoadJob | None = None
     async_load_pending: bool = False
     saved_any: bool = False
     hit_sources: dict[Tier, int] = field(default_factory=dict)
@@ -74,6 +73,7 @@ class SchedulerSide:
         self.totals: dict[str, Any] = {}
         self._reqs: dict[str, _Request] = {}
         self._held: list[str] = []
+        self._loads: dict[str, LoadJob] = {}  # planned at admission, sent in this step's metadata
         self._final_saves: list[SaveJob] = []
         self._lease_seq = itertools.count(1)
         self._budget_s = cfg.settings.lookup_budget_ms / 1000.0
@@ -93,7 +93,7 @@ class SchedulerSide:
         hashes = chunk_hashes(request.block_hashes, self.geo)
         if len(hashes) * self.geo.chunk_size <= num_computed_tokens:
             return 0, False
-        if st.lookup is None or st.lookup.num_chunks != len(hashes):
+        if st.lookup is None or st.lookup.num_chunks != len(hashes) or self._too_old(st.lookup):
             st.lookup = self._start_lookup(st, hashes)
         lookup = st.lookup
         waited_from = time.monotonic()
@@ -126,6 +126,10 @@ class SchedulerSide:
         self._release(st)
         st.lease_id = lease_id
         return _Lookup(future, len(hashes), lease_id, time.monotonic())
+
+    def _too_old(self, lookup: _Lookup) -> bool:
+        # An answer is only as good as its lease; never act on one that may have expired meanwhile.
+        return time.monotonic() - lookup.started > self.cfg.settings.lease_ttl / 2
 
     def _needs_async(self, reply: LookupReply, local: int, ext: int) -> bool:
         spans = load_spans(local, ext, self.geo)
@@ -171,7 +175,9 @@ class SchedulerSide:
             sources[tier] = sources.get(tier, 0) + s.count * self.geo.block_size
         st.hit_sources = sources
         self.counters.count_hits(sources)
-        st.load = LoadJob(request.request_id, st.lease_id, chunks, is_async, reply.instance_id)
+        self._loads[request.request_id] = LoadJob(
+            request.request_id, st.lease_id, chunks, is_async, reply.instance_id
+        )
         st.async_load_pending = is_async
         st.lease_id = ""  # the worker releases it once the copy is done
 
@@ -200,10 +206,8 @@ class SchedulerSide:
             resumed = req_id in cached.resumed_req_ids
             self._on_scheduled(req_id, new_ids, resumed, cached.num_computed_tokens[i], so, meta)
         # Async loads were planned for requests that are not scheduled this step.
-        for st in self._reqs.values():
-            if st.load is not None:
-                meta.loads.append(st.load)
-                st.load = None
+        meta.loads.extend(self._loads.values())
+        self._loads.clear()
         meta.saves.extend(self._final_saves)
         self._final_saves = []
         meta.held, self._held = self._held, []
@@ -215,10 +219,9 @@ class SchedulerSide:
             return
         meta.preempted.append(req_id)
         st.block_table = []
-        if st.load is not None:  # admitted and preempted before its load ran
-            if self.client is not None:
-                self.client.release(st.load.lease_id)
-            st.load = None
+        load = self._loads.pop(req_id, None)
+        if load is not None and self.client is not None:  # preempted before its load ran
+            self.client.release(load.lease_id)
         self.counters.preemptions += 1
 
     def _on_scheduled(
@@ -234,9 +237,9 @@ class SchedulerSide:
         if st is None:
             return
         st.block_table = ids if replace else st.block_table + ids
-        if st.load is not None:
-            meta.loads.append(st.load)
-            st.load = None
+        load = self._loads.pop(req_id, None)
+        if load is not None:
+            meta.loads.append(load)
         scheduled = so.num_scheduled_tokens.get(req_id, 0)
         spec = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
         job = self._plan_save(st, computed, scheduled - spec)
@@ -281,10 +284,10 @@ class SchedulerSide:
         self._release(st)
         if st.lookup is not None and self.client is not None:
             self.client.release(st.lookup.lease_id)
-        if st.load is not None:  # planned but never sent: nothing reads the blocks
+        load = self._loads.pop(request.request_id, None)
+        if load is not None:  # planned but never sent: nothing reads the blocks
             if self.client is not None:
-                self.client.release(st.load.lease_id)
-            st.load = None
+                self.client.release(load.lease_id)
             return False, None
         if st.async_load_pending:
             return True, None  # the worker reports it in finished_recving when the copy ends

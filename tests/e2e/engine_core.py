@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ def run_engine_core(
     max_tokens: int,
     kv_config: dict[str, Any] | None = None,
     async_scheduling: bool = True,
+    on_start: Callable[[Any], None] | None = None,
     **overrides: Any,
 ) -> CoreRun:
     """Run the prompts together to completion on an EngineCore; shut it down on every path."""
@@ -44,6 +45,8 @@ def run_engine_core(
     config.scheduler_config.async_scheduling = async_scheduling
     core = EngineCore(config, Executor.get_class(config), log_stats=True)
     try:
+        if on_start is not None:
+            on_start(core)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             request = EngineCoreRequest(

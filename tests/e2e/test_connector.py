@@ -40,9 +40,7 @@ def baseline(tiny_model: str) -> dict[str, object]:
         return {"follow_ups": generate_each(llm, FOLLOW_UPS, 12)}
 
 
-def test_prefix_reuse_loads_chunks_and_keeps_outputs(
-    tiny_model: str, baseline, tmp_path: Path
-) -> None:
+def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, tmp_path: Path) -> None:
     with running_service(tmp_path / "svc") as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
         with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
@@ -58,9 +56,7 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(
     assert work["failed_load_blocks"] == 0
 
 
-def test_corrupted_staged_bytes_change_the_output(
-    tiny_model: str, baseline, tmp_path: Path
-) -> None:
+def test_corrupted_staged_bytes_change_the_output(tiny_model: str, baseline, tmp_path: Path) -> None:
     """Negative control: loads are really used, so garbage in the arena must show in the output."""
     with running_service(tmp_path / "svc") as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)

@@ -45,7 +45,9 @@ def _wait_written(svc: RunningService, tier: str, chunks: int) -> None:
     raise AssertionError(f"{tier} tier never stored {chunks} chunks: {svc.stats()}")
 
 
-def test_hits_from_cpu_then_disk_then_redis(tiny_model: str, expected: Outputs, redis_server, tmp_path: Path) -> None:
+def test_hits_from_cpu_then_disk_then_redis(
+    tiny_model: str, expected: Outputs, redis_server, tmp_path: Path
+) -> None:
     stored = sum(len(p) // CHUNK for p in PROMPTS)  # 5 + 4 full chunks
     settings = dict(disk_path=tmp_path / "disk", redis_url=redis_server.url)
     with running_service(tmp_path / "svc1", **settings) as svc:

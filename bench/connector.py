@@ -1,0 +1,288 @@
+"""`kvtier bench connector`: the connector's costs, each as a ratio to a reference from the same run.
+
+(a) worker copy throughput, KV blocks <-> arena slot, against a plain memory copy of the same bytes;
+(b) scheduler-side connector time per step with 256 running requests, as a fraction of vLLM's own
+    ``schedule()`` time (the connector's share excluded);
+(c) TTFT on the CPU engine for a long prompt with a model of 16 KiB of KV per token: CPU-tier hit,
+    disk hit, Redis hit, miss with kvtier, and without kvtier, with the floor of a CPU hit
+    (bytes loaded / measured memcpy bandwidth + TTFT of a one-token prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _median_time(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------ (a) copies
+def bench_copy(repeat: int = 7) -> dict[str, float]:
+    """Block copier save/load throughput vs np.copyto of the same bytes into a pre-touched mmap."""
+    import mmap
+
+    import torch
+
+    from connector.copy import BlockCopier
+
+    layers, num_blocks, bpc = 8, 512, 8  # BENCH model: 8 layers, 64 KiB pages at block size 32
+    kv = [torch.randn(num_blocks, 8, 32, 128).to(torch.bfloat16) for _ in range(layers)]
+    copier = BlockCopier(kv, num_blocks, bpc)
+    nbytes = copier.chunk_bytes
+    arena = mmap.mmap(-1, nbytes)
+    arena[:] = b"\x01" * nbytes  # pre-touch, as the arena is
+    slot = copier.slot_view(memoryview(arena))
+    ids = list(range(3, 3 + 7 * bpc, 7))
+    save_s = _median_time(lambda: copier.save(slot, ids), repeat)
+    load_s = _median_time(lambda: copier.load(slot, 0, ids), repeat)
+    src = np.concatenate([k[ids].view(torch.uint8).numpy().reshape(-1) for k in kv])
+    dst = np.frombuffer(arena, dtype=np.uint8)
+    memcpy_s = _median_time(lambda: np.copyto(dst, src), repeat)
+    del slot, dst
+    arena.close()
+    gbps = nbytes / 1e9
+    return {
+        "chunk_bytes": nbytes,
+        "memcpy_gbps": round(gbps / memcpy_s, 2),
+        "save_gbps": round(gbps / save_s, 2),
+        "load_gbps": round(gbps / load_s, 2),
+        "copy_ratio": round(min(memcpy_s / save_s, memcpy_s / load_s), 3),
+    }
+
+
+# -------------------------------------------------------------------------------------- services
+@contextlib.contextmanager
+def _service(tmp: Path, **settings: Any) -> Iterator[str]:
+    """A standalone kvtier service (`python -m app.server`) on a unix socket."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    sock = tmp / "kvtier.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.update({"KVTIER_SHM_DIR": str(tmp), "KVTIER_CPU_SIZE": "1GiB", "PYTHONPATH": str(ROOT)})
+    env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
+    with open(tmp / "service.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.server", "--url", f"unix://{sock}"], env=env, stdout=log, stderr=log
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((tmp / "service.log").read_text())
+            time.sleep(0.05)
+        yield f"unix://{sock}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextlib.contextmanager
+def _redis(tmp: Path) -> Iterator[str | None]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    from bench.demo import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.3)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _kv(url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"service_url": url, **extra},
+    }
+
+
+def _wait_drained(client: Any) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and client.stats().result(10)["write_queue_depth"]:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- (b) scheduler share
+def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str, float]:
+    """Connector time inside schedule() with 256 running requests, vs the rest of schedule()."""
+    from tests.e2e.engine_core import run_engine_core  # the same driver the tests use
+
+    timers = {"connector": 0.0, "schedule": 0.0, "steps": 0}
+
+    def instrument(core: Any) -> None:
+        sched = core.scheduler
+        conn = sched.connector
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                     "request_finished", "update_connector_output"):  # fmt: skip
+            _wrap(conn, name, timers, "connector")
+        _wrap(sched, "schedule", timers, "schedule", count=True)
+
+    prompts = [list(np.random.default_rng(i).integers(2, 1000, 96)) for i in range(num_requests)]
+    prompts = [[int(t) for t in p] for p in prompts]
+    with _service(tmp / "sched") as url:
+        run_engine_core(
+            model, prompts, 24, _kv(url, chunk_size=32), async_scheduling=False,
+            enable_prefix_caching=False, max_num_seqs=num_requests, max_model_len=256,
+            on_start=instrument,
+        )  # fmt: skip
+    own = timers["schedule"] - timers["connector"]
+    return {
+        "steps": timers["steps"],
+        "schedule_ms_per_step": round(1000 * own / max(1, timers["steps"]), 3),
+        "connector_ms_per_step": round(1000 * timers["connector"] / max(1, timers["steps"]), 3),
+        "scheduler_overhead_fraction": round(timers["connector"] / max(own, 1e-9), 4),
+    }
+
+
+def _wrap(obj: Any, name: str, timers: dict[str, float], key: str, count: bool = False) -> None:
+    inner = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            timers[key] += time.perf_counter() - start
+            if count:
+                timers["steps"] += 1
+
+    setattr(obj, name, timed)
+
+
+# ------------------------------------------------------------------------------------------ (c) TTFT
+def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 1536, repeat: int = 5) -> dict[str, Any]:
+    """TTFT (prefill + first token) per case, medians over `repeat` distinct prompts."""
+    from app.client import ServiceClient
+    from storage.base import Tier
+    from tests.e2e.harness import generate, make_prompt, running_engine
+
+    engine = dict(enable_prefix_caching=False, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
+    prompts = [make_prompt(9000 + i, prompt_tokens) for i in range(repeat)]
+    fresh = [make_prompt(9500 + i, prompt_tokens) for i in range(repeat)]
+
+    def ttft(llm: Any, batch: list[list[int]]) -> float:
+        return statistics.median(_median_time(lambda p=p: generate(llm, [p], 1), 1) for p in batch)
+
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens}
+    with running_engine(model, **engine) as llm:
+        generate(llm, [make_prompt(1, 64)], 1)  # warm up
+        out["ttft_off_ms"] = ttft(llm, prompts)
+        out["ttft_one_token_ms"] = ttft(llm, [[5]] * repeat)
+    with _redis(tmp) as redis_url:
+        settings: dict[str, Any] = {"disk_path": tmp / "disk"}
+        if redis_url:
+            settings["redis_url"] = redis_url
+        with _service(tmp / "svc", **settings) as url:
+            client = ServiceClient(url)
+            client.wait_connected(10)
+            with running_engine(model, _kv(url, chunk_size=256), **engine) as llm:
+                generate(llm, [make_prompt(2, 64)], 1)
+                out["ttft_miss_ms"] = ttft(llm, prompts)  # stores them
+                _wait_drained(client)
+                out["ttft_cpu_hit_ms"] = ttft(llm, prompts)
+                client.clear([Tier.CPU]).result(30)
+                out["ttft_disk_hit_ms"] = ttft(llm, prompts)
+                if redis_url:
+                    client.clear([Tier.CPU, Tier.DISK]).result(30)
+                    out["ttft_redis_hit_ms"] = ttft(llm, prompts)
+                out["ttft_miss_fresh_ms"] = ttft(llm, fresh)
+                out["hit_tokens"] = client.stats().result(10)["hit_tokens"]
+            client.close()
+    kv_bytes = (prompt_tokens - 32) // 256 * 256 * 16 * 1024
+    memcpy = bench_copy(3)["memcpy_gbps"]
+    floor_ms = kv_bytes / (memcpy * 1e9) * 1000 + out["ttft_one_token_ms"] * 1000
+    out = {k: (round(v * 1000, 2) if k.endswith("_ms") else v) for k, v in out.items()}
+    out["kv_bytes_loaded"] = kv_bytes
+    out["cpu_hit_floor_ms"] = round(floor_ms, 2)
+    out["ttft_miss_ratio"] = round(out["ttft_miss_fresh_ms"] / out["ttft_off_ms"], 3)
+    out["ttft_cpu_hit_floor_ratio"] = round(out["ttft_cpu_hit_ms"] / floor_ms, 3)
+    out["ttft_cpu_hit_speedup"] = round(out["ttft_off_ms"] / out["ttft_cpu_hit_ms"], 2)
+    return out
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every part and return the figures."""
+    parser = argparse.ArgumentParser(prog="kvtier bench connector", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--skip-ttft", action="store_true", help="only the copy and scheduler parts")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from bench.models import BENCH, TINY, build_model
+
+    result: dict[str, Any] = {"copy": bench_copy()}
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        work = Path(tmp)
+        tiny = str(build_model(work / "tiny", TINY))
+        result["scheduler"] = bench_scheduler(tiny, work)
+        if not args.skip_ttft:
+            result["ttft"] = bench_ttft(str(build_model(work / "bench", BENCH)), work)
+    result["copy_ratio"] = result["copy"]["copy_ratio"]
+    result["scheduler_overhead_fraction"] = result["scheduler"]["scheduler_overhead_fraction"]
+    if "ttft" in result:
+        result["ttft_miss_ratio"] = result["ttft"]["ttft_miss_ratio"]
+        result["ttft_cpu_hit_floor_ratio"] = result["ttft"]["ttft_cpu_hit_floor_ratio"]
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for section, figures in result.items():
+            print(f"{section}: {figures}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for `python -m bench.connector` and `kvtier bench connector`."""
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

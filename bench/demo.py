@@ -1,0 +1,284 @@
+"""`make demo`: real vLLM (OpenAI server, CPU build) with kvtier on its embedded default.
+
+Plays a multi-turn chat whose turns share a growing prefix, first against vLLM without kvtier, then
+with kvtier (CPU tier plus a disk tier in a temporary folder, no Redis), then once more after a
+restart of the kvtier engine, when only the disk tier remembers. Prints, per round, the time to first
+token without and with kvtier, the prompt tokens kvtier served per tier, and whether the outputs were
+identical. vLLM's own prefix cache is off in every run, so each reuse shown comes from kvtier (in
+production the GPU cache keeps only the hottest prefixes; kvtier keeps the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.models import BENCH, WORDS, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 300.0
+# vLLM's CPU build reserves one more core whenever any KV connector is configured (for NIXL's threads).
+# kvtier needs none; pinning the reservation keeps both runs on the same OpenMP thread layout, which
+# bf16 results depend on, so "identical" compares like with like.
+CPU_RESERVED = "1"
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def conversation(rounds: int, seed: int = 7) -> tuple[str, list[str]]:
+    """A long system prompt and one user message per round."""
+    rng = random.Random(seed)
+    system = "You are a helpful assistant. Reference material: " + _text(rng, 900)
+    return system, [f"Question {i + 1}: " + _text(rng, 120) for i in range(rounds)]
+
+
+@dataclass
+class Server:
+    """A vLLM OpenAI server in a subprocess."""
+
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
+        """A JSON request; returns the decoded body."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            payload = json.dumps(body) if body is not None else None
+            conn.request("POST" if body else "GET", path, payload, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{path}: HTTP {resp.status}: {data[:300]!r}")
+            return json.loads(data) if data else None
+        finally:
+            conn.close()
+
+    def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str]:
+        """Stream one greedy chat completion; returns (seconds to first token, text)."""
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        start = time.perf_counter()
+        ttft = None
+        parts: list[str] = []
+        try:
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"chat: HTTP {resp.status}: {resp.read()[:300]!r}")
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content") or ""
+                if delta and ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(delta)
+        finally:
+            conn.close()
+        return (ttft if ttft is not None else time.perf_counter() - start), "".join(parts)
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, workdir: Path, kv_config: dict[str, Any] | None, name: str) -> Iterator[Server]:
+    """Start vLLM's OpenAI server; stop it (and with it the embedded kvtier service) on every path."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", "demo", "--port", str(port), "--host", "127.0.0.1",
+        "--dtype", "bfloat16", "--block-size", "32", "--enforce-eager", "--max-model-len", "4096",
+        "--kv-cache-memory-bytes", str(256 << 20), "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_config)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", CPU_RESERVED)
+    log_path = workdir / f"vllm-{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(port, proc, log_path)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited early; see {log_path}:\n{log_path.read_text()[-2000:]}")
+            with contextlib.suppress(OSError, RuntimeError, json.JSONDecodeError):
+                server.request("/health", timeout=2)
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not become ready; see {log_path}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _admin_stats(port: int) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/stats")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+@dataclass
+class Round:
+    """One round's figures."""
+
+    ttft_off: float = 0.0
+    ttft_on: float = 0.0
+    prompt_chars: int = 0
+    hits: dict[str, int] = field(default_factory=dict)
+    same: bool = False
+
+
+def play(
+    server: Server, system: str, questions: list[str], answers: list[str] | None, max_tokens: int
+) -> tuple[list[float], list[str]]:
+    """Play the conversation; history uses `answers` when given (to replay exactly), else our own."""
+    history: list[dict[str, str]] = [{"role": "system", "content": system}]
+    ttfts, texts = [], []
+    for i, question in enumerate(questions):
+        history.append({"role": "user", "content": question})
+        ttft, text = server.chat("demo", history, max_tokens)
+        ttfts.append(ttft)
+        texts.append(text)
+        history.append({"role": "assistant", "content": answers[i] if answers else text})
+    return ttfts, texts
+
+
+def run(rounds: int = 5, max_tokens: int = 24) -> int:
+    """Run the demo; returns the exit status (0 when every output was identical)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        work = Path(tmp)
+        print("building a random-weight Llama (8 layers, 16 KiB of KV per token) ...", flush=True)
+        model = str(build_model(work / "model", BENCH))
+        system, questions = conversation(rounds)
+        admin = free_port()
+        kv = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "cpu_size": "512MiB",
+                "disk_path": str(work / "disk"),
+                "chunk_size": 128,
+                "admin_port": admin,
+                "shm_dir": str(work),
+            },
+        }
+        print("vLLM without kvtier ...", flush=True)
+        with vllm_server(model, work, None, "baseline") as srv:
+            srv.chat("demo", [{"role": "user", "content": "warm up"}], 4)
+            ttft_off, expected = play(srv, system, questions, None, max_tokens)
+        print("vLLM with kvtier (embedded service: CPU tier + disk tier) ...", flush=True)
+        table = [Round(ttft_off=t) for t in ttft_off]
+        with vllm_server(model, work, kv, "kvtier") as srv:
+            srv.chat("demo", [{"role": "user", "content": "warm up"}], 4)
+            before = _admin_stats(admin)["hit_tokens"]
+            history: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for i, question in enumerate(questions):
+                history.append({"role": "user", "content": question})
+                table[i].ttft_on, text = srv.chat("demo", history, max_tokens)
+                table[i].same = text == expected[i]
+                after = _admin_stats(admin)["hit_tokens"]
+                table[i].hits = {t: after[t] - before.get(t, 0) for t in after}
+                before = after
+                history.append({"role": "assistant", "content": text})
+        print(
+            "vLLM with kvtier again, after a restart: the CPU tier is gone, the disk tier remains ...",
+            flush=True,
+        )
+        with vllm_server(model, work, kv, "restart") as srv:
+            before = _admin_stats(admin)["hit_tokens"]
+            ttft_restart, text = srv.chat("demo", _messages(system, questions, expected), max_tokens)
+            after = _admin_stats(admin)["hit_tokens"]
+        restart = Round(ttft_off=ttft_off[-1], ttft_on=ttft_restart, same=text == expected[-1])
+        restart.hits = {t: after[t] - before.get(t, 0) for t in after}
+    return _report(table, restart)
+
+
+def _messages(system: str, questions: list[str], answers: list[str]) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system}]
+    for i, q in enumerate(questions):
+        msgs.append({"role": "user", "content": q})
+        if i < len(questions) - 1:
+            msgs.append({"role": "assistant", "content": answers[i]})
+    return msgs
+
+
+def _report(table: list[Round], restart: Round) -> int:
+    print()
+    print(f"{'round':<16}{'TTFT off (ms)':>14}{'TTFT on (ms)':>14}{'speed-up':>10}"
+          f"{'cpu hits':>10}{'disk hits':>11}  identical")  # fmt: skip
+    rows = [(f"{i + 1}", r) for i, r in enumerate(table)] + [("last, restarted", restart)]
+    for name, r in rows:
+        print(
+            f"{name:<16}{r.ttft_off * 1000:>14.1f}{r.ttft_on * 1000:>14.1f}"
+            f"{r.ttft_off / max(r.ttft_on, 1e-9):>9.2f}x{r.hits.get('cpu', 0):>10}"
+            f"{r.hits.get('disk', 0):>11}  {'yes' if r.same else 'NO'}"
+        )
+    ok = all(r.same for _, r in rows)
+    print()
+    print("every output identical to vLLM without kvtier" if ok else "OUTPUTS DIFFER: this is a bug")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    args = parser.parse_args(argv)
+    return run(args.rounds, args.max_tokens)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""The scheduler side on hand-built scheduler outputs: both model runners' shapes, async lag, failures."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from app.client import LookupReply, ServiceUnavailable
+from app.settings import KVTierSettings
+from connector.config import ConnectorConfig
+from connector.planning import Geometry
+from connector.scheduler import SchedulerSide
+from storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
+
+BLOCK, CHUNK = 32, 64  # 2 blocks per chunk
+
+
+def _cfg(**settings: Any) -> ConnectorConfig:
+    spec = NamespaceSpec("m", "bf16", "x", BLOCK, CHUNK, 2, 4096)
+    return ConnectorConfig(
+        settings=KVTierSettings(chunk_size=CHUNK, **settings),
+        geometry=Geometry(BLOCK, CHUNK),
+        spec=spec,
+        namespace="ns",
+        engine_id="eng",
+        num_blocks=64,
+        layer_names=("l0", "l1"),
+        failure_policy="recompute",
+        async_scheduling=False,
+    )
+
+
+@dataclass
+class FakeClient:
+    """Answers lookups from a table of stored chunk hashes; records releases."""
+
+    stored: dict[bytes, Tier] = field(default_factory=dict)
+    down: bool = False
+    hold: bool = False  # leave lookup futures unanswered
+    released: list[str] = field(default_factory=list)
+    lookups: list[str] = field(default_factory=list)
+    pending: list[tuple[concurrent.futures.Future, LookupReply]] = field(default_factory=list)
+
+    def lookup(self, namespace: str, hashes: list[bytes], lease_id: str, timeout: float | None = None):
+        self.lookups.append(lease_id)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.down:
+            fut.set_exception(ServiceUnavailable("down"))
+            return fut
+        n = 0
+        while n < len(hashes) and hashes[n] in self.stored:
+            n += 1
+        tiers = [self.stored[h] for h in hashes[:n]]
+        slots = [SlotRef(4096 * i, 4096) if t == Tier.CPU else None for i, t in enumerate(tiers)]
+        reply = LookupReply(LookupResult(n, tiers, slots), "inst-1")
+        if self.hold:
+            self.pending.append((fut, reply))
+        else:
+            fut.set_result(reply)
+        return fut
+
+    def release(self, lease_id: str, timeout: float | None = None):
+        self.released.append(lease_id)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class FakeRequest:
+    """The fields of vllm.v1.request.Request the scheduler side reads."""
+
+    def __init__(self, req_id: str, num_prompt: int, hashed_blocks: int, seed: int = 0) -> None:
+        self.request_id = req_id
+        self.num_prompt_tokens = num_prompt
+        self.num_tokens = num_prompt
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes = [bytes([seed, i]) for i in range(hashed_blocks)]
+
+
+def _blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _new(req_id: str, block_ids: list[int], computed: int) -> Any:
+    return SimpleNamespace(req_id=req_id, block_ids=(list(block_ids),), num_computed_tokens=computed)
+
+
+def _output(new=(), cached=(), scheduled=None, preempted=(), spec=None) -> Any:
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = list(new)
+    data = CachedRequestData.make_empty()
+    for req_id, ids, computed, resumed in cached:
+        data.req_ids.append(req_id)
+        data.new_block_ids.append(None if ids is None else (list(ids),))
+        data.num_computed_tokens.append(computed)
+        if resumed:
+            data.resumed_req_ids.add(req_id)
+    out.scheduled_cached_reqs = data
+    out.num_scheduled_tokens = dict(scheduled or {})
+    out.scheduled_spec_decode_tokens = dict(spec or {})
+    out.preempted_req_ids = set(preempted)
+    return out
+
+
+def _chunk_hash(req: FakeRequest, chunk: int) -> bytes:
+    return req.block_hashes[(chunk + 1) * 2 - 1]
+
+
+def test_cpu_hit_becomes_a_sync_load_of_exact_blocks() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 300, 9)  # 4 full chunks hashed
+    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(3)}
+    ext, is_async = side.get_num_new_matched_tokens(req, 0)
+    assert (ext, is_async) == (192, False)
+    table = list(range(10, 20))
+    side.update_state_after_alloc(req, _blocks(table), ext)
+    meta = side.build_connector_meta(_output(new=[_new("a", table, 192)], scheduled={"a": 108}))
+    (load,) = meta.loads
+    assert not load.is_async and load.instance_id == "inst-1"
+    assert [(c.index, c.first, c.block_ids, c.slot) for c in load.chunks] == [
+        (0, 0, [10, 11], (0, 4096)),
+        (1, 0, [12, 13], (4096, 4096)),
+        (2, 0, [14, 15], (8192, 4096)),
+    ]
+    # 192 loaded + 108 computed = 300 tokens: chunk 3 (tokens 192..255) is new and hashed: saved.
+    (save,) = meta.saves
+    assert save.hashes == [_chunk_hash(req, 3)] and save.block_ids == [[16, 17]]
+
+
+def test_lower_tier_hit_loads_async_even_when_not_scheduled() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, 0): Tier.CPU, _chunk_hash(req, 1): Tier.DISK}
+    ext, is_async = side.get_num_new_matched_tokens(req, 0)
+    assert (ext, is_async) == (128, True)
+    side.update_state_after_alloc(req, _blocks(list(range(10))), ext)
+    meta = side.build_connector_meta(_output())  # the request waits for its KV: not scheduled
+    (load,) = meta.loads
+    assert load.is_async and all(c.slot is None for c in load.chunks)
+    assert load.block_ids == [0, 1, 2, 3]
+    # While the load is in flight the request's blocks are held if it is aborted.
+    assert side.request_finished(req, list(range(10))) == (True, None)
+
+
+def test_external_tokens_never_cover_the_whole_prompt() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 256, 8)
+    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(4)}
+    ext, _ = side.get_num_new_matched_tokens(req, 0)
+    assert ext == 224  # the last block is computed so a token can be sampled
+
+
+def test_slow_lookup_asks_again_then_uses_the_answer() -> None:
+    client = FakeClient(hold=True)
+    side = SchedulerSide(_cfg(lookup_budget_ms=1), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, 0): Tier.CPU}
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert side.counters.lookups_deferred == 1
+    fut, reply = client.pending.pop()
+    fut.set_result(reply)
+    side.build_connector_meta(_output())  # next step: the budget is renewed
+    assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+    assert len(client.lookups) == 1, "the pending lookup is reused, not sent again"
+
+
+def test_dead_service_is_a_miss_at_once() -> None:
+    side = SchedulerSide(_cfg(), FakeClient(down=True))
+    assert side.get_num_new_matched_tokens(FakeRequest("a", 300, 9), 0) == (0, False)
+    assert side.counters.lookup_errors == 1
+
+
+def test_repeated_lookup_replaces_the_lease() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, 0): Tier.CPU}
+    side.get_num_new_matched_tokens(req, 0)  # allocation fails: no update_state_after_alloc
+    side.get_num_new_matched_tokens(req, 0)
+    assert client.released == [client.lookups[0]]
+    side.request_finished(req, [])
+    assert client.released == client.lookups
+
+
+def test_decode_chunk_saved_when_its_hash_appears_a_step_late() -> None:
+    side = SchedulerSide(_cfg(), FakeClient())
+    req = FakeRequest("a", 100, 3)  # 100 prompt tokens: blocks 0-2 hashed, chunk 0 full
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 0)
+    meta = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    assert [s.hashes for s in meta.saves] == [[_chunk_hash(req, 0)]]
+    # Decode up to token 127 (async scheduling: the hash of block 3 is not known yet).
+    meta = side.build_connector_meta(_output(cached=[("a", None, 127, False)], scheduled={"a": 1}))
+    assert meta.saves == []
+    req.block_hashes.append(b"\x00\x03")  # the placeholder was filled one step later
+    meta = side.build_connector_meta(_output(cached=[("a", None, 128, False)], scheduled={"a": 1}))
+    assert [s.hashes for s in meta.saves] == [[_chunk_hash(req, 1)]]
+    assert meta.saves[0].block_ids == [[3, 4]]
+
+
+def test_spec_decode_tokens_are_not_counted_as_valid() -> None:
+    side = SchedulerSide(_cfg(), FakeClient())
+    req = FakeRequest("a", 60, 4)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3]), 0)
+    side.build_connector_meta(_output(new=[_new("a", [1, 2, 3], 0)], scheduled={"a": 60}))
+    meta = side.build_connector_meta(
+        _output(cached=[("a", [4], 60, False)], scheduled={"a": 5}, spec={"a": [7, 8, 9, 10]})
+    )
+    assert meta.saves == []  # 60 + 1 certain token < 128
+
+
+@pytest.mark.parametrize("runner", ["v1", "mrv2"])
+def test_preempted_request_is_reloaded_in_either_runner_shape(runner: str) -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 150, 4)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), 0)
+    meta = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4, 5], 0)], scheduled={"a": 150}))
+    saved = [h for s in meta.saves for h in s.hashes]
+    assert saved == [_chunk_hash(req, 0), _chunk_hash(req, 1)]
+    client.stored = {h: Tier.CPU for h in saved}
+    meta = side.build_connector_meta(_output(preempted=["a"]))
+    assert meta.preempted == ["a"]
+    req.num_preemptions = 1
+    ext, _ = side.get_num_new_matched_tokens(req, 0)
+    assert ext == 128
+    side.update_state_after_alloc(req, _blocks([9, 8, 7, 6, 5]), ext)
+    if runner == "v1":
+        out = _output(cached=[("a", [9, 8, 7, 6, 5], 128, True)], scheduled={"a": 22})
+    else:
+        out = _output(new=[_new("a", [9, 8, 7, 6, 5], 128)], scheduled={"a": 22})
+    meta = side.build_connector_meta(out)
+    (load,) = meta.loads
+    assert load.block_ids == [9, 8, 7, 6]
+    assert meta.saves == []  # the reloaded chunks are not stored again
+    assert side.counters.readmissions == 1
+
+
+def test_finished_request_with_saves_is_held_until_reported() -> None:
+    side = SchedulerSide(_cfg(), FakeClient())
+    req = FakeRequest("a", 70, 2)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3]), 0)
+    side.build_connector_meta(_output(new=[_new("a", [1, 2, 3], 0)], scheduled={"a": 70}))
+    assert side.request_finished(req, [1, 2, 3]) == (True, None)
+    assert side.build_connector_meta(_output()).held == ["a"]
+    assert side.build_connector_meta(_output()).held == []
+
+
+def test_save_decode_off_stops_at_the_prompt() -> None:
+    side = SchedulerSide(_cfg(save_decode=False), FakeClient())
+    req = FakeRequest("a", 70, 6)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5, 6]), 0)
+    meta = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4, 5, 6], 0)], scheduled={"a": 70}))
+    assert [len(s.hashes) for s in meta.saves] == [1]
+    meta = side.build_connector_meta(_output(cached=[("a", None, 127, False)], scheduled={"a": 60}))
+    assert meta.saves == []
