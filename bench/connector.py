@@ -60,7 +60,7 @@ def bench_copy(repeat: int = 7) -> dict[str, float]:
     src = np.concatenate([k[ids].view(torch.uint8).numpy().reshape(-1) for k in kv])
     dst = np.frombuffer(arena, dtype=np.uint8)
     memcpy_s = _median_time(lambda: np.copyto(dst, src), repeat)
-    del slot, dst
+    slot = dst = None  # drop the views so the mapping can close
     arena.close()
     gbps = nbytes / 1e9
     return {
@@ -123,7 +123,7 @@ def _redis(tmp: Path) -> Iterator[str | None]:
             "no",
             "--dir",
             str(tmp),
-        ],  # fmt: skip
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

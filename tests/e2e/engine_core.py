@@ -32,11 +32,9 @@ def run_engine_core(
     """Run the prompts together to completion on an EngineCore; shut it down on every path."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine import EngineCoreEventType, EngineCoreRequest
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
-
-    from vllm.v1.engine import EngineCoreEventType
 
     PREEMPTED = EngineCoreEventType.PREEMPTED
     kwargs = engine_kwargs(model, kv_config, **overrides)
