@@ -31,7 +31,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check app storage connector tests bench
+	$(VENV)/bin/ruff check app storage connector tests bench docs
 	$(VENV)/bin/mypy
 
 demo: install

@@ -230,6 +230,19 @@ class KVTierConnector(KVConnectorBase_V1):
         return None if stats.is_empty() else stats
 
     @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """vLLM's /metrics gets kvtier's counters as ``vllm:kvtier_*``."""
+        from connector.prom import KVTierPromMetrics
+
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:

@@ -52,7 +52,7 @@ class _Arena:
         if hello.instance_id == self.instance_id and self.mapping is not None:
             return
         self.close()
-        mapping = ArenaMapping.open(hello.arena)
+        mapping = ArenaMapping.open(hello.arena, prefault=True)
         self.mapping = mapping
         self.instance_id = hello.instance_id
         self.pinned = pin_host_buffer(mapping.view(SlotRef(0, hello.arena.size)))

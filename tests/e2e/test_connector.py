@@ -17,6 +17,7 @@ from tests.e2e.harness import (
     generate_each,
     kv_transfer_config,
     make_prompt,
+    metric,
     preemptions,
     running_engine,
 )
@@ -47,6 +48,11 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
             got = generate_each(llm, FOLLOW_UPS, 12)
             sched = scheduler_totals(llm)
             work = worker_totals()
+            # vLLM's own metrics carry kvtier's counters.
+            prom_loaded = metric(llm, "vllm:kvtier_loaded_tokens")
+            prom_tiers = {
+                m.labels.get("tier"): m.value for m in llm.get_metrics() if m.name == "vllm:kvtier_hit_tokens"
+            }
         hits = svc.hit_tokens()
     assert_same_outputs(baseline["follow_ups"], got)
     # The second prompt shares 300 tokens: 4 full chunks of 64 were stored by the first and loaded.
@@ -54,6 +60,8 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
     assert sched["external_tokens"] >= 4 * CHUNK
     assert work["loaded_tokens"] >= 4 * CHUNK
     assert work["failed_load_blocks"] == 0
+    assert prom_loaded == work["loaded_tokens"]
+    assert prom_tiers["cpu"] >= 4 * CHUNK and prom_tiers["disk"] == 0
 
 
 def test_corrupted_staged_bytes_change_the_output(tiny_model: str, baseline, tmp_path: Path) -> None:

@@ -1,0 +1,72 @@
+"""kvtier's connector counters as Prometheus metrics on vLLM's own /metrics (``vllm:kvtier_*``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+# stats key -> (metric name, help text, extra label (name, value) or None)
+COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
+    "admissions": ("vllm:kvtier_admissions", "Requests admitted with a kvtier lookup.", None),
+    "readmissions": (
+        "vllm:kvtier_readmissions",
+        "Admissions of requests resumed after preemption.",
+        None,
+    ),
+    "admissions_with_hit": ("vllm:kvtier_admissions_with_hit", "Admissions that loaded KV.", None),
+    "external_tokens": ("vllm:kvtier_external_tokens", "Prompt tokens loaded instead of computed.", None),
+    "hit_tokens_cpu": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "cpu")),
+    "hit_tokens_disk": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "disk")),
+    "hit_tokens_redis": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "redis")),
+    "lookups_deferred": (
+        "vllm:kvtier_lookups_deferred",
+        "Lookups not answered within the budget (asked again next step).",
+        None,
+    ),
+    "lookup_errors": ("vllm:kvtier_lookup_errors", "Lookups that failed and counted as misses.", None),
+    "lookup_count": ("vllm:kvtier_lookups", "Lookups answered.", None),
+    "lookup_seconds": ("vllm:kvtier_lookup_seconds", "Seconds spent in answered lookups.", None),
+    "loaded_tokens": ("vllm:kvtier_loaded_tokens", "Tokens of KV copied into vLLM's cache.", None),
+    "failed_load_blocks": (
+        "vllm:kvtier_failed_load_blocks",
+        "Blocks whose load failed (recomputed).",
+        None,
+    ),
+    "saved_tokens": ("vllm:kvtier_saved_tokens", "Tokens of KV stored into kvtier.", None),
+    "save_skipped_chunks": (
+        "vllm:kvtier_save_skipped_chunks",
+        "Chunks not saved: already stored, no space, or the service was slow.",
+        None,
+    ),
+    "save_errors": ("vllm:kvtier_save_errors", "Save calls that failed.", None),
+}
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """Registers the counters once and adds each step's figures to them."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        families: dict[str, Any] = {}
+        self._bound: dict[tuple[int, str], Any] = {}
+        for key, (name, doc, extra) in COUNTERS.items():
+            if name not in families:
+                labels = labelnames + ([extra[0]] if extra else [])
+                families[name] = self._counter_cls(name=name, documentation=doc, labelnames=labels)
+            for engine, values in per_engine_labelvalues.items():
+                label_values = list(values) + ([extra[1]] if extra else [])
+                self._bound[(engine, key)] = families[name].labels(*label_values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one report's counts."""
+        for key, value in transfer_stats_data.items():
+            metric = self._bound.get((engine_idx, key))
+            if metric is not None and isinstance(value, int | float) and value > 0:
+                metric.inc(value)
