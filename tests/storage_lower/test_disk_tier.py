@@ -1,0 +1,313 @@
+"""Disk tier: restart keeps every chunk, faults are counted misses, LRU within disk_size skips pins."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from app.settings import KVTierSettings
+from storage import codec
+from storage.base import ChunkKey, ClearableTier, LowerTier, Tier
+from storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
+
+NS = "00112233445566ff"
+CHUNK = 4096
+BLOB = codec.FIXED_HEADER_SIZE + len(NS) + 1 + 8 + CHUNK  # prefix hashes below are 8 bytes
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(NS, i.to_bytes(8, "big"))
+
+
+def payload(i: int, size: int = CHUNK) -> memoryview:
+    return memoryview(bytes((i + j) % 251 for j in range(size)))
+
+
+def settings(path: Path, size: int = 1 << 30, fsync: bool = False) -> KVTierSettings:
+    return KVTierSettings(disk_path=str(path), disk_size=size, disk_fsync=fsync)
+
+
+async def started(path: Path, io: DiskIO | None = None, **kw: int | bool) -> DiskTier:
+    tier = DiskTier(settings(path, **kw), io=io)  # type: ignore[arg-type]
+    await tier.start()
+    return tier
+
+
+async def read(tier: DiskTier, i: int, size: int = CHUNK) -> bytes | None:
+    dest = bytearray(size)
+    return bytes(dest) if await tier.get_into(key(i), memoryview(dest)) else None
+
+
+def files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def exists(path: str | Path) -> bool:
+    return Path(path).exists()
+
+
+def make_debris(root: Path, tier: DiskTier) -> Path:
+    """What a crash or an operator might leave: a temp file, a foreign file, a bad header."""
+    some_dir = tier.path_of(key(3)).rsplit("/", 1)[0]
+    Path(some_dir, TEMP_PREFIX + "deadbeef").write_bytes(b"partial")
+    (root / "README.txt").write_text("not a chunk")
+    bad = Path(tier.path_of(key(99)))
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_bytes(b"garbage that is no blob header at all, long enough to parse" * 2)
+    return bad
+
+
+def flip_bit(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def damage(tier: DiskTier) -> None:
+    """Key 0 deleted, key 1 truncated, key 2 a payload bit flipped, key 3 a header bit flipped."""
+    Path(tier.path_of(key(0))).unlink()
+    with open(tier.path_of(key(1)), "r+b") as f:
+        f.truncate(BLOB - 10)
+    flip_bit(tier.path_of(key(2)), BLOB - 100)
+    flip_bit(tier.path_of(key(3)), 13)
+
+
+async def test_round_trip_and_protocol(tmp_path: Path) -> None:
+    tier = await started(tmp_path, fsync=True)
+    assert isinstance(tier, LowerTier) and tier.tier is Tier.DISK
+    assert await tier.put(key(1), payload(1))
+    assert await tier.contains_many([key(1), key(2)]) == [True, False]
+    assert await read(tier, 1) == bytes(payload(1))
+    assert await read(tier, 2) is None
+    stats = tier.stats()
+    assert (stats.chunks, stats.bytes, stats.stores, stats.hits, stats.misses) == (1, BLOB, 1, 1, 1)
+    assert stats.bytes_written == stats.bytes_read == CHUNK and not stats.errors
+    assert [p.name for p in files(tmp_path)] == [key(1).prefix_hash.hex() + ".kvt"]
+    await tier.close()
+
+
+async def test_restart_finds_every_chunk_and_cleans_debris(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    assert all(await asyncio.gather(*(tier.put(key(i), payload(i)) for i in range(20))))
+    await tier.close()
+    bad = make_debris(tmp_path, tier)
+
+    again = await started(tmp_path)
+    assert await again.contains_many([key(i) for i in range(20)]) == [True] * 20
+    for i in range(20):
+        assert await read(again, i) == bytes(payload(i))
+    report = again.last_scan
+    assert (report.chunks, report.temp_removed, report.foreign_skipped, report.corrupt_removed) == (
+        20, 1, 1, 1,
+    )  # fmt: skip
+    assert not exists(bad) and exists(tmp_path / "README.txt")
+    errors = again.stats().errors
+    assert errors == {"scan_temp": 1, "scan_foreign": 1, "corrupt": 1}
+    assert again.stats().chunks == 20
+    await again.close()
+
+
+class FaultyIO(DiskIO):
+    """Fails chosen system calls with a chosen errno; can also make writes short."""
+
+    def __init__(self) -> None:
+        self.fail: dict[str, int] = {}
+        self.short_writes = False
+
+    def _maybe_fail(self, name: str) -> None:
+        if name in self.fail:
+            raise OSError(self.fail[name], os.strerror(self.fail[name]))
+
+    def writev(self, fd: int, buffers: Sequence[memoryview]) -> int:
+        self._maybe_fail("writev")
+        if self.short_writes:
+            return os.write(fd, buffers[0][:7])
+        return super().writev(fd, buffers)
+
+    def open_excl(self, path: str) -> int:
+        self._maybe_fail("open_excl")
+        return super().open_excl(path)
+
+    def open_read(self, path: str) -> int:
+        self._maybe_fail("open_read")
+        return super().open_read(path)
+
+    def makedirs(self, path: str) -> None:
+        self._maybe_fail("makedirs")
+        super().makedirs(path)
+
+
+async def test_enospc_is_a_counted_failure_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    io = FaultyIO()
+    tier = await started(tmp_path, io=io)
+    io.fail["writev"] = errno.ENOSPC
+    assert not await tier.put(key(1), payload(1))
+    assert tier.stats().errors == {"enospc": 1}
+    assert await tier.contains_many([key(1)]) == [False]
+    assert files(tmp_path) == []
+    assert tier.stats().bytes == 0  # the reservation was given back
+    del io.fail["writev"]
+    assert await tier.put(key(1), payload(1))
+    await tier.close()
+
+
+async def test_short_writes_are_completed(tmp_path: Path) -> None:
+    io = FaultyIO()
+    io.short_writes = True
+    tier = await started(tmp_path, io=io)
+    assert await tier.put(key(5), payload(5))
+    assert await read(tier, 5) == bytes(payload(5))
+    await tier.close()
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+async def test_read_only_filesystem_injected(tmp_path: Path, code: int) -> None:
+    io = FaultyIO()
+    tier = await started(tmp_path, io=io)
+    io.fail["open_excl"] = code
+    assert not await tier.put(key(1), payload(1))
+    io.fail["open_read"] = code
+    assert await read(tier, 1) is None
+    assert tier.stats().errors == {errno.errorcode[code].lower(): 1}
+    await tier.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+async def test_read_only_directory(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    assert await tier.put(key(1), payload(1))
+    os.chmod(tmp_path, 0o555)
+    try:
+        assert not await tier.put(key(2), payload(2))
+        assert await read(tier, 1) == bytes(payload(1))
+        assert tier.stats().errors == {"eacces": 1}
+    finally:
+        os.chmod(tmp_path, 0o755)
+    await tier.close()
+
+
+async def test_unwritable_root_marks_unhealthy(tmp_path: Path) -> None:
+    io = FaultyIO()
+    io.fail["makedirs"] = errno.EACCES
+    tier = await started(tmp_path / "sub", io=io)
+    assert not tier.stats().healthy
+    assert not await tier.put(key(1), payload(1))
+    assert tier.stats().errors["eacces"] == 2
+    await tier.close()
+
+
+async def test_deleted_truncated_and_flipped_files_are_never_served(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    for i in range(4):
+        assert await tier.put(key(i), payload(i))
+    damage(tier)
+    for i in range(4):
+        assert await read(tier, i) is None
+    stats = tier.stats()
+    assert stats.errors == {"missing": 1, "corrupt": 3}
+    assert (stats.hits, stats.misses, stats.chunks) == (0, 4, 0)
+    assert await tier.contains_many([key(i) for i in range(4)]) == [False] * 4
+    assert files(tmp_path) == []  # corrupt files were removed
+    await tier.close()
+
+
+async def test_length_mismatch_is_counted_not_deleted(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    assert await tier.put(key(1), payload(1))
+    assert await read(tier, 1, size=CHUNK - 1) is None
+    assert tier.stats().errors == {"length_mismatch": 1}
+    assert await read(tier, 1) == bytes(payload(1))
+    await tier.close()
+
+
+async def test_lru_eviction_within_disk_size_skips_pinned(tmp_path: Path) -> None:
+    tier = await started(tmp_path, size=3 * BLOB)
+    for i in range(3):
+        assert await tier.put(key(i), payload(i))
+    tier.pin([key(0)])
+    assert await read(tier, 1)  # key 1 is now more recent than key 2
+    assert await tier.put(key(3), payload(3))  # evicts key 2 (least recent unpinned)
+    assert await tier.contains_many([key(i) for i in range(4)]) == [True, True, False, True]
+    assert await tier.put(key(4), payload(4))  # evicts key 1; key 0 stays pinned
+    assert await tier.contains_many([key(i) for i in range(5)]) == [True, False, False, True, True]
+    stats = tier.stats()
+    assert stats.evictions == 2 and stats.bytes == 3 * BLOB <= stats.capacity
+    assert len(files(tmp_path)) == 3
+    tier.pin([key(3), key(4)])
+    assert not await tier.put(key(5), payload(5))  # everything pinned: no room
+    assert tier.stats().errors == {"full": 1}
+    tier.unpin([key(0), key(3), key(4)])
+    assert await tier.put(key(5), payload(5))
+    assert not await tier.put(key(6), payload(6, size=4 * BLOB))
+    assert tier.stats().errors == {"full": 1, "too_large": 1}
+    await tier.close()
+
+
+async def test_restart_over_capacity_evicts_oldest(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    for i in range(4):
+        assert await tier.put(key(i), payload(i))
+        os.utime(tier.path_of(key(i)), (1000 + i, 1000 + i))
+    await tier.close()
+    small = await started(tmp_path, size=2 * BLOB)
+    assert await small.contains_many([key(i) for i in range(4)]) == [False, False, True, True]
+    assert len(files(tmp_path)) == 2
+    await small.close()
+
+
+async def test_delete_of_pinned_key_is_deferred_to_last_unpin(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    assert await tier.put(key(1), payload(1))
+    tier.pin([key(1)])
+    tier.pin([key(1)])
+    await tier.delete(key(1))
+    assert await tier.contains_many([key(1)]) == [False]
+    assert await read(tier, 1) == bytes(payload(1))  # the lease can still stage it
+    tier.unpin([key(1)])
+    assert exists(tier.path_of(key(1)))
+    tier.unpin([key(1)])
+    await tier.close()  # waits for the deferred removal
+    assert not exists(tier.path_of(key(1)))
+    assert tier.stats().chunks == 0
+
+
+async def test_delete_and_concurrent_puts_of_one_key(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    results = await asyncio.gather(*(tier.put(key(7), payload(7)) for _ in range(5)))
+    assert all(results) and tier.stats().stores == 1
+    await tier.delete(key(7))
+    await tier.delete(key(7))  # idempotent
+    assert files(tmp_path) == []
+    assert tier.stats().bytes == 0
+    await tier.close()
+
+
+async def test_cancelled_put_still_indexes_its_file(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    task = asyncio.create_task(tier.put(key(8), payload(8, size=1 << 20)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await tier.contains_many([key(8)]) == [True]
+    assert len(files(tmp_path)) == 1
+    await tier.close()
+
+
+async def test_clear_keeps_pinned_chunks(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    for i in range(5):
+        assert await tier.put(key(i), payload(i))
+    tier.pin([key(2)])
+    assert isinstance(tier, ClearableTier)
+    assert await tier.clear() == 4
+    assert await tier.contains_many([key(i) for i in range(5)]) == [False, False, True, False, False]
+    assert len(files(tmp_path)) == 1 and tier.stats().bytes == BLOB
+    await tier.close()

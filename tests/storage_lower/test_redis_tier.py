@@ -1,0 +1,483 @@
+"""Redis tier: fakeredis for tier logic, a real redis-server for the raw fast path, TTL, auth and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fakeredis
+import pytest
+import redis
+
+from app.settings import KVTierSettings
+from storage import codec
+from storage.base import ChunkKey, ClearableTier, LowerTier, Tier
+from storage.breaker import CircuitBreaker
+from storage.keys import redis_key
+from storage.tiers.redis import RedisTier, client_url
+from storage.tiers.redis_wire import (
+    GetOutcome,
+    RawConnection,
+    RawEndpoint,
+    ServerReplyError,
+    WireError,
+)
+from tests.support.redis_fixtures import TEST_PASSWORD
+from tests.support.redis_server import RedisServer, have_redis_server, make_tls_files
+
+NS = "aabbccddeeff0011"
+CHUNK = 64 * 1024  # payload() repeats a 4 KiB pattern
+_no_server = pytest.mark.skipif(not have_redis_server(), reason="redis-server is not installed")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def needs_redis(test: F) -> F:
+    """A test of a real redis-server: marked `redis`, skipped when none is installed."""
+    return pytest.mark.redis(_no_server(test))  # type: ignore[no-any-return]
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(NS, i.to_bytes(8, "big"))
+
+
+def payload(i: int, size: int = CHUNK) -> memoryview:
+    return memoryview(random.Random(i).randbytes(4096) * (size // 4096))
+
+
+def make_settings(url: str, **kw: object) -> KVTierSettings:
+    return KVTierSettings(redis_url=url, **kw)  # type: ignore[arg-type]
+
+
+async def read(tier: RedisTier, k: ChunkKey, size: int = CHUNK) -> bytes | None:
+    dest = bytearray(size)
+    return bytes(dest) if await tier.get_into(k, memoryview(dest)) else None
+
+
+# ---------------------------------------------------------------------------------------------- fakeredis
+@pytest.fixture
+def fake() -> fakeredis.FakeAsyncRedis:
+    return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+
+
+def fake_tier(client: fakeredis.FakeAsyncRedis, **kw: object) -> RedisTier:
+    return RedisTier(make_settings("redis://127.0.0.1:1/0", **kw), client=client)
+
+
+async def test_fake_round_trip_ttl_and_protocol(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake, redis_ttl=50)
+    assert isinstance(tier, LowerTier) and tier.tier is Tier.REDIS and not tier.fast_path
+    await tier.start()
+    data = payload(1)
+    assert await tier.put(key(1), data)
+    assert await tier.contains_many([key(1), key(2)]) == [True, False]
+    assert await tier.contains_many([]) == []
+    assert await read(tier, key(1)) == bytes(data)
+    assert await read(tier, key(2)) is None
+    assert 0 < await fake.ttl(redis_key(key(1))) <= 50
+    stored = await fake.get(redis_key(key(1)))
+    assert bytes(codec.decode(stored, key(1))) == bytes(data)  # one value: header + payload
+    stats = tier.stats()
+    assert (stats.stores, stats.hits, stats.misses, stats.errors) == (1, 1, 1, {})
+    await tier.close()
+
+
+async def test_fake_no_ttl_when_zero(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake, redis_ttl=0)
+    assert await tier.put(key(1), payload(1))
+    assert await fake.ttl(redis_key(key(1))) == -1
+
+
+async def test_fake_corrupt_value_is_counted_and_removed(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake)
+    assert await tier.put(key(1), payload(1))
+    blob = bytearray(await fake.get(redis_key(key(1))))
+    blob[-5] ^= 0x40
+    await fake.set(redis_key(key(1)), bytes(blob))
+    await fake.set(redis_key(key(2)), b"not a blob")
+    await fake.set(redis_key(key(3)), codec.encode(key(4), bytes(payload(4))))  # foreign key echo
+    for i in (1, 2, 3):
+        assert await read(tier, key(i)) is None
+    assert tier.stats().errors == {"corrupt": 3}
+    assert await fake.exists(redis_key(key(1)), redis_key(key(2)), redis_key(key(3))) == 0
+
+
+async def test_fake_length_mismatch_keeps_value(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake)
+    assert await tier.put(key(1), payload(1))
+    assert await read(tier, key(1), size=CHUNK // 2) is None
+    assert tier.stats().errors == {"length_mismatch": 1}
+    assert await read(tier, key(1)) is not None
+
+
+async def test_fake_pinned_delete_is_deferred(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake)
+    assert await tier.put(key(1), payload(1))
+    assert await tier.put(key(2), payload(2))
+    tier.pin([key(1)])
+    await tier.delete(key(1))
+    await tier.delete(key(2))
+    assert await tier.contains_many([key(1), key(2)]) == [False, False]
+    assert await read(tier, key(1)) is not None  # the lease still stages it
+    assert await fake.exists(redis_key(key(1))) == 1
+    tier.unpin([key(1)])
+    tier.unpin([key(1)])  # an extra unpin is ignored
+    await tier.close()  # waits for the deferred unlink
+    assert await fake.exists(redis_key(key(1)), redis_key(key(2))) == 0
+
+
+async def test_fake_put_revives_doomed_key(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake)
+    assert await tier.put(key(1), payload(1))
+    tier.pin([key(1)])
+    await tier.delete(key(1))
+    assert await tier.put(key(1), payload(1))
+    tier.unpin([key(1)])
+    await tier.close()
+    assert await fake.exists(redis_key(key(1))) == 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_fake_dead_server_trips_breaker_once_per_period() -> None:
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeAsyncRedis(server=server)
+    clock = Clock()
+    tier = RedisTier(
+        make_settings("redis://127.0.0.1:1/0"),
+        client=client,
+        breaker=CircuitBreaker(5.0, clock=clock),
+    )
+    assert await tier.put(key(1), payload(1))
+    server.connected = False
+    for _ in range(5):
+        assert await read(tier, key(1)) is None
+        assert await tier.contains_many([key(1)]) == [False]
+        assert not await tier.put(key(2), payload(2))
+    errors = tier.stats().errors
+    assert errors == {"connection": 1, "unavailable": 14}
+    assert not tier.stats().healthy
+    clock.now += 5.0
+    assert not await tier.put(key(2), payload(2))  # the probe fails: open for another period
+    assert tier.stats().errors["connection"] == 2
+    server.connected = True
+    assert await read(tier, key(1)) is None  # still open
+    clock.now += 5.0
+    assert await read(tier, key(1)) is not None  # probe succeeds: closed again
+    assert tier.stats().healthy
+    assert await tier.put(key(2), payload(2))
+
+
+async def test_fake_clear_drops_unpinned_kvtier_keys_only(fake: fakeredis.FakeAsyncRedis) -> None:
+    tier = fake_tier(fake)
+    for i in range(7):
+        assert await tier.put(key(i), payload(i, size=4096))
+    await fake.set("someone-else", b"x")
+    tier.pin([key(3)])
+    assert isinstance(tier, ClearableTier)
+    assert await tier.clear() == 6
+    assert await tier.contains_many([key(i) for i in range(7)]) == [i == 3 for i in range(7)]
+    assert await fake.exists("someone-else") == 1
+
+
+def test_cluster_url_translation() -> None:
+    assert client_url("redis+cluster://h:7000") == "redis://h:7000"
+    assert client_url("rediss+cluster://u:p@h:7000/0") == "rediss://u:p@h:7000/0"
+    assert client_url("redis://h:1/2") == "redis://h:1/2"
+    assert make_settings("redis+cluster://h:7000").redis_is_cluster
+    assert make_settings("redis://h:7000", redis_cluster=True).redis_is_cluster
+
+
+def test_tls_url_uses_redis_asyncio() -> None:
+    assert not RedisTier(make_settings("rediss://:pw@127.0.0.1:6380/0")).fast_path
+
+
+# ---------------------------------------------------------------------------------------------- real server
+@pytest.fixture
+async def tier(redis_server: RedisServer) -> RedisTier:
+    redis_server.command("FLUSHALL")
+    t = RedisTier(make_settings(redis_server.url, redis_pool_size=4, redis_ttl=100))
+    await t.start()
+    yield t  # type: ignore[misc]
+    await t.close()
+
+
+@needs_redis
+async def test_fast_path_round_trip_parallel(tier: RedisTier, redis_server: RedisServer) -> None:
+    assert tier.fast_path and tier.stats().healthy
+    datas = [payload(i) for i in range(12)]
+    assert all(await asyncio.gather(*(tier.put(key(i), d) for i, d in enumerate(datas))))
+    dests = [bytearray(CHUNK) for _ in datas]
+    got = await asyncio.gather(*(tier.get_into(key(i), memoryview(d)) for i, d in enumerate(dests)))
+    assert all(got) and [bytes(d) for d in dests] == [bytes(d) for d in datas]
+    assert await tier.contains_many([key(0), key(11), key(12)]) == [True, True, False]
+    assert await read(tier, key(12)) is None
+    ttl = int(redis_server.command("TTL", redis_key(key(0))).strip(b":\r\n"))
+    assert 0 < ttl <= 100
+    await tier.delete(key(0))
+    assert await tier.contains_many([key(0)]) == [False]
+    stats = tier.stats()
+    assert (stats.stores, stats.hits, stats.misses, stats.errors) == (12, 12, 1, {})
+
+
+@needs_redis
+async def test_fast_path_no_ttl_and_big_values(tier: RedisTier, redis_server: RedisServer) -> None:
+    tier.ttl = 0
+    big = payload(3, size=3 << 20)
+    assert await tier.put(key(3), big)
+    assert redis_server.command("TTL", redis_key(key(3))) == b":-1\r\n"
+    assert await read(tier, key(3), size=3 << 20) == bytes(big)
+
+
+@needs_redis
+async def test_fast_path_bad_values_keep_connection_in_sync(
+    tier: RedisTier, redis_server: RedisServer
+) -> None:
+    r = redis.Redis(port=redis_server.port)
+    try:
+        assert await tier.put(key(1), payload(1))
+        blob = bytearray(r.get(redis_key(key(1))) or b"")
+        blob[100] ^= 1
+        r.set(redis_key(key(1)), bytes(blob))  # payload bit flip
+        r.set(redis_key(key(2)), b"x" * 10)  # shorter than any header
+        r.set(redis_key(key(3)), codec.encode(key(3), b"y" * 100))  # valid, other length
+        r.set(redis_key(key(4)), b"z" * (codec.header_size(key(4)) + CHUNK))  # right size, junk
+        for i in (1, 2, 3, 4):
+            assert await read(tier, key(i)) is None
+        assert tier.stats().errors == {"corrupt": 3, "length_mismatch": 1}
+        assert r.exists(redis_key(key(1)), redis_key(key(2)), redis_key(key(4))) == 0
+        assert r.exists(redis_key(key(3))) == 1
+        assert await tier.put(key(5), payload(5))  # the raw connections are still in sync
+        assert await read(tier, key(5)) == bytes(payload(5))
+    finally:
+        r.close()
+
+
+@needs_redis
+async def test_password_auth_and_db_select(redis_server_auth: RedisServer) -> None:
+    url = f"redis://:{TEST_PASSWORD}@127.0.0.1:{redis_server_auth.port}/3"
+    tier = RedisTier(make_settings(url))
+    await tier.start()
+    assert tier.fast_path
+    assert await tier.put(key(1), payload(1))
+    assert await read(tier, key(1)) == bytes(payload(1))
+    assert await tier.contains_many([key(1)]) == [True]
+    r = redis.Redis(port=redis_server_auth.port, password=TEST_PASSWORD, db=3)
+    assert r.exists(redis_key(key(1))) == 1
+    r.close()
+    await tier.close()
+
+
+@needs_redis
+async def test_wrong_password_is_a_miss_and_never_logged(
+    redis_server_auth: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "wrong-" + TEST_PASSWORD
+    tier = RedisTier(make_settings(f"redis://:{secret}@127.0.0.1:{redis_server_auth.port}/0"))
+    with caplog.at_level(logging.DEBUG):
+        await tier.start()
+        assert not await tier.put(key(1), payload(1))
+        assert await read(tier, key(1)) is None
+    assert tier.stats().error_total >= 2 and not tier.stats().healthy
+    assert secret not in caplog.text and "***" in caplog.text
+    assert secret not in tier.url_for_logs
+    await tier.close()
+
+
+@needs_redis
+async def test_unix_socket_fast_path(tmp_path: Path) -> None:
+    sock = str(tmp_path / "redis.sock")
+    with RedisServer(extra_args=("--unixsocket", sock, "--unixsocketperm", "700")) as server:
+        tier = RedisTier(make_settings(f"unix://{sock}?db=2"))
+        await tier.start()
+        assert tier.fast_path
+        assert await tier.put(key(1), payload(1))
+        assert await read(tier, key(1)) == bytes(payload(1))
+        assert server.command("SELECT", "2")  # smoke: the server is there
+        await tier.close()
+
+
+@needs_redis
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+async def test_tls_via_redis_asyncio(tmp_path: Path) -> None:
+    tls = await asyncio.to_thread(make_tls_files, str(tmp_path))
+    with RedisServer(tls=tls, password=TEST_PASSWORD) as server:
+        assert server.url.startswith("rediss://")
+        tier = RedisTier(make_settings(server.url))
+        await tier.start()
+        assert not tier.fast_path and tier.stats().healthy
+        assert await tier.put(key(1), payload(1))
+        assert await read(tier, key(1)) == bytes(payload(1))
+        assert await tier.contains_many([key(1), key(2)]) == [True, False]
+        assert tier.stats().errors == {}
+        await tier.close()
+
+
+@needs_redis
+async def test_cancelled_get_leaves_tier_usable(redis_server_fn: RedisServer) -> None:
+    tier = RedisTier(make_settings(redis_server_fn.url, redis_timeout=5.0))
+    big = payload(9, size=4 << 20)
+    assert await tier.put(key(9), big)
+    dest = bytearray(4 << 20)
+    assert redis_server_fn.proc is not None
+    redis_server_fn.proc.send_signal(signal.SIGSTOP)  # the GET is surely in flight when cancelled
+    try:
+        task = asyncio.create_task(tier.get_into(key(9), memoryview(dest)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        redis_server_fn.proc.send_signal(signal.SIGCONT)
+    assert tier.stats().healthy and not tier.stats().errors  # a cancel is not a backend failure
+    assert await read(tier, key(9), size=4 << 20) == bytes(big)
+    await tier.close()
+
+
+@needs_redis
+async def test_stalled_server_costs_one_timeout_per_period(redis_server_fn: RedisServer) -> None:
+    tier = RedisTier(make_settings(redis_server_fn.url, redis_timeout=0.3, breaker_period=60))
+    await tier.start()
+    assert await tier.put(key(1), payload(1))
+    assert redis_server_fn.proc is not None
+    redis_server_fn.proc.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(5):
+            assert await read(tier, key(1)) is None
+            assert await tier.contains_many([key(1)]) == [False]
+        assert tier.stats().errors == {"timeout": 1, "unavailable": 9}
+    finally:
+        redis_server_fn.proc.send_signal(signal.SIGCONT)
+    await tier.close()
+
+
+@needs_redis
+async def test_kill_during_loop_then_serves_again(redis_server_fn: RedisServer) -> None:
+    period = 0.2
+    tier = RedisTier(make_settings(redis_server_fn.url, redis_timeout=0.5, breaker_period=period))
+    await tier.start()
+    outcomes: list[bool] = []
+    for i in range(40):
+        if i == 15:
+            redis_server_fn.kill()
+        data = payload(i)
+        stored = await tier.put(key(i), data)
+        outcomes.append(stored and await read(tier, key(i)) == bytes(data))
+        await tier.contains_many([key(i)])
+        await asyncio.sleep(period / 8)  # let breaker periods pass, so probes hit the dead server
+    assert all(outcomes[:15]) and not any(outcomes[15:])
+    errors = tier.stats().errors
+    assert errors.get("connection", 0) >= 1 and errors.get("unavailable", 0) >= 1
+    assert not tier.stats().healthy
+
+    redis_server_fn.restart()
+    await asyncio.sleep(period)  # one breaker period: the next call is the probe and must succeed
+    assert await tier.put(key(100), payload(100))
+    assert await read(tier, key(100)) == bytes(payload(100))
+    assert await tier.contains_many([key(100)]) == [True]
+    assert tier.stats().healthy
+    await tier.close()
+
+
+# ---------------------------------------------------------------------------------------------- RESP reader
+class ScriptedServer:
+    """A loopback server that answers each request with the next scripted reply, a few bytes at a time."""
+
+    def __init__(self, replies: list[bytes | None], piece: int = 7) -> None:
+        self.replies = replies
+        self.piece = piece
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            for reply in self.replies:
+                if not conn.recv(65536):
+                    return
+                if reply is None:
+                    return  # close the connection instead of answering
+                for i in range(0, len(reply), self.piece):
+                    conn.sendall(reply[i : i + self.piece])
+                    time.sleep(0.0005)
+            conn.recv(1)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(timeout=5)
+
+
+def raw_connection(port: int, timeout: float = 2.0) -> RawConnection:
+    endpoint = RawEndpoint(host="127.0.0.1", port=port, path=None, username=None, password=None, db=0)
+    conn = RawConnection(endpoint, timeout)
+    conn.connect(time.monotonic() + timeout)
+    return conn
+
+
+def test_reader_handles_split_replies_errors_and_bad_values() -> None:
+    k = key(1)
+    data = bytes(payload(1))[:1000]
+    blob = codec.encode(k, data)
+    other = codec.encode(k, data[:10])
+    replies: list[bytes | None] = [
+        b"$%d\r\n%s\r\n" % (len(blob), blob),  # hit, delivered 7 bytes at a time
+        b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+        b"$-1\r\n",
+        b"$%d\r\n%s\r\n" % (len(other), other),  # valid blob of another length
+        b"$3\r\nabc\r\n",  # junk
+        b":1\r\n",  # not a GET reply at all: the connection is unusable
+    ]
+    server = ScriptedServer(replies)
+    conn = raw_connection(server.port)
+    try:
+        dest = memoryview(bytearray(len(data)))
+        deadline = time.monotonic() + 5
+        assert conn.get_into(b"k", k, dest, deadline) is GetOutcome.HIT and bytes(dest) == data
+        with pytest.raises(ServerReplyError, match="WRONGTYPE"):
+            conn.get_into(b"k", k, dest, deadline)
+        assert conn.get_into(b"k", k, dest, deadline) is GetOutcome.MISS
+        assert conn.get_into(b"k", k, dest, deadline) is GetOutcome.LENGTH_MISMATCH
+        assert conn.get_into(b"k", k, dest, deadline) is GetOutcome.CORRUPT
+        with pytest.raises(WireError):
+            conn.get_into(b"k", k, dest, deadline)
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_reader_times_out_and_notices_a_closed_connection() -> None:
+    k = key(2)
+    dest = memoryview(bytearray(100))
+    server = ScriptedServer([b"$%d\r\n" % (codec.header_size(k) + 100), None])
+    conn = raw_connection(server.port, timeout=0.2)
+    try:
+        with pytest.raises(TimeoutError):  # the value never follows its length line
+            conn.get_into(b"k", k, dest, time.monotonic() + 0.2)
+    finally:
+        conn.close()
+        server.close()
+    server = ScriptedServer([None])
+    conn = raw_connection(server.port)
+    try:
+        with pytest.raises(WireError, match="closed"):
+            conn.get_into(b"k", k, dest, time.monotonic() + 2)
+        assert conn.stale()
+    finally:
+        conn.close()
+        server.close()
