@@ -170,7 +170,7 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
     prompts = [[int(t) for t in p] for p in prompts]
     with _service(tmp / "sched") as url:
         run_engine_core(
-            model, prompts, 24, _kv(url, chunk_size=32), async_scheduling=False,
+            model, prompts, 64, _kv(url, chunk_size=32), async_scheduling=False,
             enable_prefix_caching=False, max_num_seqs=num_requests, max_model_len=256,
             on_start=instrument,
         )  # fmt: skip

@@ -127,6 +127,14 @@ class KVTierConnector(KVConnectorBase_V1):
             log.exception("kvtier lookup failed; treating it as a miss")
             return 0, False
 
+    def on_new_request(self, request: Any) -> None:
+        """Prefetch the lookup of a request the moment vLLM receives it."""
+        if self._sched is not None:
+            try:
+                self._sched.on_new_request(request)
+            except Exception:
+                log.exception("kvtier prefetch failed; the lookup happens at admission instead")
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the external tokens into the allocated blocks."""
         if self._sched is not None:

@@ -78,8 +78,18 @@ class SchedulerSide:
         self._lease_seq = itertools.count(1)
         self._budget_s = cfg.settings.lookup_budget_ms / 1000.0
         self._budget_left = self._budget_s
+        self._bpc = self.geo.blocks_per_chunk
 
     # ------------------------------------------------------------------------------------ lookups
+    def on_new_request(self, request: Any) -> None:
+        """Start the lookup as the request arrives, so admission finds the answer already there."""
+        if self.client is None or request.request_id in self._reqs:
+            return
+        st = self._reqs[request.request_id] = _Request(request)
+        hashes = chunk_hashes(request.block_hashes, self.geo)
+        if hashes:
+            st.lookup = self._start_lookup(st, hashes)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -111,6 +121,8 @@ class SchedulerSide:
         finally:
             self._budget_left = max(0.0, self._budget_left - (time.monotonic() - waited_from))
         st.lookup = None
+        if reply.result.num_hit == 0:
+            st.lease_id = ""  # the service keeps no lease for a lookup that found nothing
         self.counters.observe_lookup_latency(time.monotonic() - lookup.started)
         ext = external_tokens(
             reply.result.num_hit, num_computed_tokens, request.num_tokens, self.geo
@@ -193,18 +205,22 @@ class SchedulerSide:
         """This step's loads, saves, preemptions and held finished requests."""
         self._budget_left = self._budget_s
         meta = KVTierMetadata()
-        for req_id in sorted(getattr(so, "preempted_req_ids", None) or ()):
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
+        scheduled = so.num_scheduled_tokens
+        spec = so.scheduled_spec_decode_tokens
         for new in so.scheduled_new_reqs:
-            self._on_scheduled(
-                new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens, so, meta
-            )
+            req_id = new.req_id
+            new_valid = scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
+            self._on_scheduled(req_id, list(new.block_ids[0]), True, new.num_computed_tokens, new_valid, meta)
         cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            ids = cached.new_block_ids[i]
-            new_ids = list(ids[0]) if ids is not None else []
-            resumed = req_id in cached.resumed_req_ids
-            self._on_scheduled(req_id, new_ids, resumed, cached.num_computed_tokens[i], so, meta)
+        resumed = cached.resumed_req_ids
+        for req_id, ids, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            new_valid = scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
+            block_ids = list(ids[0]) if ids is not None else []
+            self._on_scheduled(req_id, block_ids, req_id in resumed, computed, new_valid, meta)
         # Async loads were planned for requests that are not scheduled this step.
         meta.loads.extend(self._loads.values())
         self._loads.clear()
@@ -225,24 +241,27 @@ class SchedulerSide:
         self.counters.preemptions += 1
 
     def _on_scheduled(
-        self,
-        req_id: str,
-        ids: list[int],
-        replace: bool,
-        computed: int,
-        so: Any,
-        meta: KVTierMetadata,
+        self, req_id: str, ids: list[int], replace: bool, computed: int, new_valid: int, meta: KVTierMetadata
     ) -> None:
+        # Runs for every scheduled request every step: keep the common case (a decode step that
+        # completes no chunk) to a few integer operations.
         st = self._reqs.get(req_id)
         if st is None:
             return
-        st.block_table = ids if replace else st.block_table + ids
-        load = self._loads.pop(req_id, None)
-        if load is not None:
-            meta.loads.append(load)
-        scheduled = so.num_scheduled_tokens.get(req_id, 0)
-        spec = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
-        job = self._plan_save(st, computed, scheduled - spec)
+        if replace:
+            st.block_table = ids
+        elif ids:
+            st.block_table.extend(ids)
+        if self._loads:
+            load = self._loads.pop(req_id, None)
+            if load is not None:
+                meta.loads.append(load)
+        chunk = self.geo.chunk_size
+        hi = min((computed + max(0, new_valid)) // chunk, len(st.request.block_hashes) // self._bpc)
+        if hi <= st.watermark <= computed // chunk:
+            st.watermark = hi  # nothing new to save (same result as save_range, without the call)
+            return
+        job = self._plan_save(st, computed, new_valid)
         if job is not None:
             meta.saves.append(job)
 
