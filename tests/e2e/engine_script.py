@@ -1,7 +1,7 @@
 """Run one vLLM engine in a fresh process and print its greedy outputs as JSON (for layout tests).
 
 Usage: python -m tests.e2e.engine_script '{"model": ..., "prompts": [[...]], "max_tokens": 16,
-"kv_config": {...} | null, "multiprocess": true}'
+"kv_config": {...} | null, "multiprocess": true, "one_at_a_time": false, "engine": {...}}'
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ def main() -> int:
     """Parse the job, run it, print {"tokens": [[...]], "preemptions": n} on the last line."""
     job = json.loads(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job.get("multiprocess") else "0"
-    from tests.e2e.harness import generate, preemptions, running_engine
+    from tests.e2e.harness import generate, generate_each, metric, preemptions, running_engine
 
     overrides = job.get("engine", {})
+    run = generate_each if job.get("one_at_a_time") else generate
     with running_engine(job["model"], job.get("kv_config"), **overrides) as llm:
-        out = generate(llm, job["prompts"], job.get("max_tokens", 16))
+        out = run(llm, job["prompts"], job.get("max_tokens", 16))
         count = preemptions(llm)
-    print(json.dumps({"tokens": out.tokens, "preemptions": count}), flush=True)
+        external = metric(llm, "vllm:kvtier_external_tokens")
+    print(json.dumps({"tokens": out.tokens, "preemptions": count, "external_tokens": external}), flush=True)
     return 0
 
 

@@ -1,0 +1,81 @@
+"""The embedded default (no service_url): vLLM starts its own kvtier service and nothing outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import (
+    Outputs,
+    assert_same_outputs,
+    generate_each,
+    kv_transfer_config,
+    make_prompt,
+    running_engine,
+)
+from tests.e2e.service import REPO
+
+pytestmark = pytest.mark.e2e
+
+SHARED = make_prompt(300, 260)
+PROMPTS = [SHARED + make_prompt(301, 30), SHARED + make_prompt(302, 50)]
+
+
+def _service_processes() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"app.server" in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_embedded_service_serves_hits_and_leaves_nothing(tiny_model: str, tmp_path: Path) -> None:
+    with running_engine(tiny_model, enable_prefix_caching=False) as llm:
+        expected = generate_each(llm, PROMPTS, 10)
+    before = set(_service_processes())
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = {
+        "model": tiny_model,
+        "prompts": PROMPTS,
+        "max_tokens": 10,
+        "kv_config": kv_transfer_config(chunk_size=64, cpu_size="64MiB", shm_dir=str(shm)),
+        "engine": {"enable_prefix_caching": False},
+        "multiprocess": True,
+        "one_at_a_time": True,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.update(PYTHONPATH=str(REPO), XDG_RUNTIME_DIR=str(run_dir))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert_same_outputs(expected, Outputs(result["tokens"]))
+    assert result["external_tokens"] >= 4 * 64, "the second prompt loaded the shared prefix"
+    # The engine's processes are gone: so are its service, socket and arena.
+    import time
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and set(_service_processes()) - before:
+        time.sleep(0.1)
+    assert not set(_service_processes()) - before, "the embedded service outlived its engine"
+    assert not list(shm.glob("kvtier-*.arena")), "arena file left behind"
+    assert not list(run_dir.rglob("*.sock")), "socket left behind"
