@@ -85,7 +85,7 @@ class KVTierConnector(KVConnectorBase_V1):
         except UnsupportedEngine as exc:
             log.warning("kvtier stays idle: %s", exc)
             return
-        if cfg.failure_policy != "recompute":
+        if cfg.failure_policy != "recompute" and not is_worker:  # one warning per engine
             log.warning(
                 "kvtier: kv_load_failure_policy is %r; a failed load then fails the request. "
                 'Use "kv_load_failure_policy":"recompute" so a failed tier only costs a recompute.',

@@ -28,7 +28,9 @@ from storage.base import SlotRef
 log = logging.getLogger(__name__)
 
 # Bound on waiting for this step's reserve answers in wait_for_save; past it the saves are skipped.
-SAVE_WAIT_S = 0.05
+# After one miss of the bound the worker stops waiting at all until answers come back in time again,
+# so a slow service costs one bounded wait, not one per step.
+SAVE_WAIT_S = 0.02
 HELLO_WAIT_S = 5.0
 
 
@@ -91,6 +93,7 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._held: set[str] = set()
         self._hello: concurrent.futures.Future[HelloReply] | None = None
+        self._save_wait = SAVE_WAIT_S
         if client is not None:
             self._hello = client.hello(cfg.spec)
 
@@ -231,17 +234,19 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """Copy this step's finished chunks into their reserved slots and commit them."""
         reserves, self._reserves = self._reserves, []
-        deadline = time.monotonic() + SAVE_WAIT_S
+        deadline = time.monotonic() + self._save_wait
         for job, future in reserves:
             try:
                 reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
                 future.add_done_callback(self._abort_late)
                 self.counters.save_skipped_chunks += len(job.hashes)
+                self._save_wait = 0.0
                 continue
             except Exception:
                 self.counters.save_errors += 1
                 continue
+            self._save_wait = SAVE_WAIT_S
             self._save(job, reply)
 
     def _save(self, job: SaveJob, reply: ReserveReply) -> None:
