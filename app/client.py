@@ -1,0 +1,551 @@
+"""Client of the kvtier service, for vLLM's synchronous hooks.
+
+Who owns what: a ``ServiceClient`` owns one background thread running its own event loop, and that
+loop owns the one connection's reading side, the reconnect schedule and the timeout sweep. Public
+methods may be called from any thread: each encodes its request and, while connected, writes it to
+the socket itself (non-blocking, under the client's lock, with any remainder flushed by the loop),
+then returns a ``concurrent.futures.Future``; the loop thread completes it when the reply arrives.
+Writing from the calling thread saves a wake-up of the loop thread per call. While the service is
+unreachable every call fails immediately with ``ServiceUnavailable`` (a connector turns it into a
+miss); the loop keeps reconnecting with backoff, calls ``on_unavailable`` (embedded mode respawns
+the service there), and after a reconnect registers every namespace again before serving calls.
+
+The lock guards the socket's writes, the table of calls in flight and the connection state; the
+loop thread takes it only briefly and never blocks while holding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any
+
+from app import protocol as p
+from app.address import Address, parse_url
+from app.channel import Channel
+from app.client_types import (
+    CONVERT,
+    AuthFailed,
+    Backoff,
+    CallTimeout,
+    ClientClosed,
+    ConstantBackoff,
+    ExponentialBackoff,
+    HealthReply,
+    HelloReply,
+    LookupReply,
+    RemoteError,
+    ReserveReply,
+    ServiceError,
+    ServiceUnavailable,
+    StageReply,
+    StaleInstance,
+    remote_error,
+)
+from app.loops import new_event_loop
+from storage.base import ArenaInfo, NamespaceSpec, SlotRef, Tier
+
+__all__ = [
+    "AuthFailed",
+    "Backoff",
+    "CallTimeout",
+    "ClientClosed",
+    "ConstantBackoff",
+    "ExponentialBackoff",
+    "HealthReply",
+    "HelloReply",
+    "LookupReply",
+    "RemoteError",
+    "ReserveReply",
+    "ServiceClient",
+    "ServiceError",
+    "ServiceUnavailable",
+    "StageReply",
+    "StaleInstance",
+]
+
+log = logging.getLogger("kvtier.client")
+
+DEFAULT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
+SWEEP_PERIOD_S = 0.01  # timeouts fire within this much of their deadline
+_DOWN, _CONNECTING, _READY, _CLOSED = "down", "connecting", "ready", "closed"
+
+
+@dataclass(slots=True)
+class _Call:
+    id: int
+    frame: bytes
+    future: Future[Any]
+    reply_type: type
+    convert: Callable[[Any, p.SlotCache], Any]
+    deadline: float
+
+
+class ServiceClient:
+    """Thread-safe client of one kvtier service; every call returns a concurrent Future."""
+
+    def __init__(
+        self,
+        url: str,
+        auth_token: str = "",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        backoff: Backoff | None = None,
+        on_unavailable: Callable[[], object] | None = None,
+        on_connect: Callable[[HelloReply], object] | None = None,
+        name: str = "kvtier-client",
+    ) -> None:
+        self._address: Address = parse_url(url)
+        self.url = url
+        self._token = auth_token
+        self.timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._backoff: Backoff = backoff or ExponentialBackoff()
+        self._on_unavailable = on_unavailable
+        self._on_connect = on_connect
+        self._pid = os.getpid()
+        self._ids = itertools.count(1)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        # Guarded by _lock: state, channel, calls in flight, calls queued while connecting.
+        self._state = _CONNECTING
+        self._down_reason = "not connected yet"
+        self._channel: Channel | None = None
+        self._pending: dict[int, _Call] = {}
+        self._queue: deque[_Call] = deque()
+        self._sweeping = False
+        self._closed = False
+        self._hello: HelloReply | None = None
+        self._specs: dict[NamespaceSpec, None] = {}  # ordered set; read and written under _lock
+        self._slot_cache = p.SlotCache()  # loop thread only
+        self._reconnect: asyncio.Task[None] | None = None
+        self._ready = threading.Event()
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._loop.call_soon_threadsafe(self._start_reconnect, 0.0)
+        atexit.register(self.close)
+
+    # ----------------------------------------------------------------------------------- public API
+    def hello(self, spec: NamespaceSpec | None = None, timeout: float | None = None) -> Future[HelloReply]:
+        """Register spec's namespace (kept across reconnects); learn the arena and instance id."""
+        if spec is not None:
+            with self._lock:
+                self._specs[spec] = None  # registered again after every reconnect
+        msg = p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
+        return self._call(msg, timeout)
+
+    def lookup(
+        self, namespace: str, hashes: list[bytes], lease_id: str, timeout: float | None = None
+    ) -> Future[LookupReply]:
+        """Count leading stored chunks and lease them under lease_id (replacing that lease)."""
+        return self._call(
+            p.Lookup(id=next(self._ids), namespace=namespace, hashes=hashes, lease_id=lease_id),
+            timeout,
+        )
+
+    def stage(self, lease_id: str, timeout: float | None = None) -> Future[StageReply]:
+        """Bring every chunk of the lease into arena slots."""
+        return self._call(p.Stage(id=next(self._ids), lease_id=lease_id), timeout)
+
+    def reserve(
+        self, namespace: str, hashes: list[bytes], timeout: float | None = None
+    ) -> Future[ReserveReply]:
+        """Slots to fill for these chunks; each must end in commit() or abort()."""
+        return self._call(p.Reserve(id=next(self._ids), namespace=namespace, hashes=hashes), timeout)
+
+    def commit(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        slots: list[SlotRef],
+        instance_id: str = "",
+        timeout: float | None = None,
+    ) -> Future[None]:
+        """Publish filled slots; with instance_id, fails with StaleInstance after a restart."""
+        msg = p.Commit(
+            id=next(self._ids),
+            namespace=namespace,
+            hashes=hashes,
+            slots=[(s.offset, s.length) for s in slots],
+            instance_id=instance_id,
+        )
+        return self._call(msg, timeout)
+
+    def abort(
+        self, slots: list[SlotRef], instance_id: str = "", timeout: float | None = None
+    ) -> Future[None]:
+        """Give reserved slots back unfilled."""
+        raw = [(s.offset, s.length) for s in slots]
+        return self._call(p.Abort(id=next(self._ids), slots=raw, instance_id=instance_id), timeout)
+
+    def release(self, lease_id: str, timeout: float | None = None) -> Future[None]:
+        """End a lease (idempotent)."""
+        return self._call(p.Release(id=next(self._ids), lease_id=lease_id), timeout)
+
+    def delete(self, namespace: str, hashes: list[bytes], timeout: float | None = None) -> Future[int]:
+        """Remove chunks from every tier; the future gives how many were found."""
+        return self._call(p.Delete(id=next(self._ids), namespace=namespace, hashes=hashes), timeout)
+
+    def clear(self, tiers: list[Tier] | None = None, timeout: float | None = None) -> Future[int]:
+        """Drop every unleased chunk of these tiers (None = all); gives how many were dropped."""
+        return self._call(p.Clear(id=next(self._ids), tiers=[int(t) for t in tiers or []]), timeout)
+
+    def stats(self, timeout: float | None = None) -> Future[dict[str, Any]]:
+        """The `kvtier stats --json` object."""
+        return self._call(p.Stats(id=next(self._ids)), timeout)
+
+    def health(self, timeout: float | None = None) -> Future[HealthReply]:
+        """Whether the service can serve, and each tier's state."""
+        return self._call(p.Health(id=next(self._ids)), timeout)
+
+    @property
+    def connected(self) -> bool:
+        """True while connected and handshaken."""
+        return self._state == _READY
+
+    @property
+    def instance_id(self) -> str:
+        """The connected (or last known) service instance; '' before the first handshake."""
+        hello = self._hello
+        return hello.instance_id if hello is not None else ""
+
+    @property
+    def arena(self) -> ArenaInfo | None:
+        """The arena of the connected (or last known) service instance."""
+        hello = self._hello
+        return hello.arena if hello is not None else None
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block until connected and handshaken (or timeout); for tools and tests, not for hooks."""
+        return self._ready.wait(timeout)
+
+    def close(self) -> None:
+        """Fail outstanding calls, close the connection and stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+        if os.getpid() != self._pid or not self._thread.is_alive():
+            return
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._shutdown)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------- caller side
+    def _encoder(self) -> p.FrameEncoder:
+        enc = getattr(self._local, "encoder", None)
+        if enc is None:
+            enc = self._local.encoder = p.FrameEncoder()
+        return enc  # type: ignore[no-any-return]
+
+    def _call(self, msg: Any, timeout: float | None) -> Future[Any]:
+        future: Future[Any] = Future()
+        if self._closed or os.getpid() != self._pid:
+            future.set_exception(ClientClosed("the client is closed (or was created in another process)"))
+            return future
+        if self._state == _DOWN:  # unlocked read: failing fast must not wait for the lock
+            future.set_exception(self._unavailable())
+            return future
+        reply_type, convert = CONVERT[type(msg)]
+        try:
+            frame = self._encoder().encode(msg)
+        except p.ProtocolError as exc:
+            future.set_exception(ServiceError(str(exc)))
+            return future
+        limit = self.timeout if timeout is None else timeout
+        call = _Call(msg.id, frame, future, reply_type, convert, time.monotonic() + limit)
+        on_loop = threading.get_ident() == self._thread.ident
+        with self._lock:
+            error = self._dispatch(call, on_loop)
+        if error is not None:
+            _fail(future, error)
+        return future
+
+    def _dispatch(self, call: _Call, on_loop: bool) -> ServiceError | None:
+        """Send, queue or refuse a call (caller holds the lock); returns the error to fail it with."""
+        state = self._state
+        if state == _READY and self._channel is not None:
+            self._pending[call.id] = call  # before the bytes leave: the reply may come at once
+            if not self._channel.write(call.frame, on_loop):
+                del self._pending[call.id]
+                return self._unavailable("connection lost")
+        elif state == _CONNECTING:
+            self._queue.append(call)
+        elif state == _CLOSED:
+            return ClientClosed("the client is closed")
+        else:
+            return self._unavailable()
+        if not self._sweeping:
+            self._sweeping = True
+            if on_loop:
+                self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
+            else:
+                self._loop.call_soon_threadsafe(self._loop.call_later, SWEEP_PERIOD_S, self._sweep)
+        return None
+
+    def _unavailable(self, reason: str = "") -> ServiceUnavailable:
+        return ServiceUnavailable(f"kvtier service {self.url}: {reason or self._down_reason}")
+
+    # ------------------------------------------------------------------------------------ loop side
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            with contextlib.suppress(Exception):
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    def _sweep(self) -> None:
+        """Fail calls past their deadline; runs every SWEEP_PERIOD_S while any call is waiting."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [c for c in self._pending.values() if c.deadline <= now]
+            for call in expired:
+                del self._pending[call.id]
+            queued = [c for c in self._queue if c.deadline <= now]
+            for call in queued:
+                self._queue.remove(call)
+            idle = not self._pending and not self._queue
+            if idle:
+                self._sweeping = False
+        for call in expired:
+            _fail(call.future, CallTimeout(f"no answer from {self.url} in time"))
+        for call in queued:
+            _fail(call.future, CallTimeout(f"not connected to {self.url} in time"))
+        if not idle:
+            self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
+
+    def _readable(self, channel: Channel) -> None:
+        try:
+            replies = channel.receive()
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, EOFError) as exc:
+            self._lost(channel, f"connection lost ({exc})")
+            return
+        except p.ProtocolError as exc:
+            log.warning("bad frame from the service, reconnecting: %s", exc)
+            self._lost(channel, f"bad frame from the service ({exc})")
+            return
+        pending = self._pending
+        for reply in replies:
+            call = pending.pop(reply.id, None)  # atomic; callers insert under the lock
+            if call is not None:
+                self._complete(call, reply)
+
+    def _complete(self, call: _Call, reply: Any) -> None:
+        if type(reply) is p.ErrorReply:
+            _fail(call.future, remote_error(reply))
+        elif type(reply) is not call.reply_type:
+            _fail(call.future, ServiceError(f"unexpected {type(reply).__name__} to a call"))
+        else:
+            _resolve(call.future, call.convert(reply, self._slot_cache))
+
+    def _flush(self, channel: Channel) -> None:
+        """Write what the socket did not take before (loop thread, when it is writable)."""
+        with self._lock:
+            if channel.closed:
+                return
+            try:
+                sent = channel.sock.send(channel.pending_out)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                sent = len(channel.pending_out)  # broken: the reader reports it
+            del channel.pending_out[:sent]
+            if not channel.pending_out:
+                channel.writer_armed = False
+                self._loop.remove_writer(channel.fd)
+
+    def _lost(self, channel: Channel, reason: str) -> None:
+        with self._lock:
+            if channel is not self._channel:
+                return
+            self._channel = None
+            channel.close()
+            calls = self._take_all()
+            if self._state != _CLOSED:
+                self._state, self._down_reason = _DOWN, reason
+        self._ready.clear()
+        _fail_calls(calls, self._unavailable(reason))
+        self._start_reconnect(0.0)
+
+    def _take_all(self) -> list[_Call]:
+        """Every call in flight or queued, removed from the books (caller holds the lock)."""
+        calls = [*self._pending.values(), *self._queue]
+        self._pending, self._queue = {}, deque()
+        return calls
+
+    def _set_down(self, reason: str) -> list[_Call]:
+        with self._lock:
+            if self._state != _CLOSED:
+                self._state, self._down_reason = _DOWN, reason
+            return self._take_all()
+
+    def _start_reconnect(self, first_delay: float) -> None:
+        if self._state == _CLOSED or (self._reconnect is not None and not self._reconnect.done()):
+            return
+        self._reconnect = self._loop.create_task(self._reconnect_loop(first_delay))
+
+    async def _reconnect_loop(self, delay: float) -> None:
+        attempt = 0
+        while self._state != _CLOSED:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if await self._connect_once():
+                return
+            _fail_calls(self._set_down(self._down_reason), self._unavailable())
+            if self._on_unavailable is not None and self._state != _CLOSED:
+                await self._run_hook()
+                if await self._connect_once():
+                    return
+            delay = self._backoff.delay(attempt)
+            attempt += 1
+
+    async def _run_hook(self) -> None:
+        assert self._on_unavailable is not None
+        try:
+            # The hook may block (embedded mode spawns and waits for a service): not on this loop.
+            await self._loop.run_in_executor(None, self._on_unavailable)
+        except Exception as exc:
+            log.warning("on_unavailable hook failed: %s", exc)
+
+    async def _connect_once(self) -> bool:
+        """One connect + handshake + re-registration; True when ready, else the state is down."""
+        with self._lock:
+            if self._state == _CLOSED:
+                return False
+            self._state = _CONNECTING
+        try:
+            channel = await asyncio.wait_for(self._open(), self._connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            self._set_down_reason(f"cannot connect ({exc.__class__.__name__}: {exc})")
+            return False
+        try:
+            hello = await self._handshake(channel)
+        except ServiceError as exc:
+            with self._lock:
+                if self._channel is channel:
+                    self._channel = None
+                channel.close()
+            self._set_down_reason(f"handshake failed ({exc})")
+            return False
+        with self._lock:
+            if self._state == _CLOSED or self._channel is not channel:
+                return False
+            self._hello = hello
+            self._state = _READY
+            queued, self._queue = self._queue, deque()
+            for call in queued:  # in the same critical section: no new call overtakes them
+                self._pending[call.id] = call
+                channel.write(call.frame, on_loop=True)
+        self._ready.set()
+        if self._on_connect is not None:
+            try:
+                self._on_connect(hello)
+            except Exception:
+                log.exception("on_connect callback failed")
+        return True
+
+    def _set_down_reason(self, reason: str) -> None:
+        with self._lock:
+            if self._state != _CLOSED:
+                self._state, self._down_reason = _DOWN, reason
+
+    async def _open(self) -> Channel:
+        address = self._address
+        if address.scheme == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            target: Any = address.path
+        else:
+            infos = await self._loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, target = infos[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setblocking(False)
+            await self._loop.sock_connect(sock, target)
+        except BaseException:
+            sock.close()
+            raise
+        channel = Channel(self._loop, sock, lambda: self._flush(channel))
+        with self._lock:
+            self._channel = channel
+        self._loop.add_reader(channel.fd, self._readable, channel)
+        return channel
+
+    async def _handshake(self, channel: Channel) -> HelloReply:
+        """Hello without a spec, then one per registered namespace, all before any queued call."""
+        with self._lock:
+            specs: list[NamespaceSpec | None] = [None, *self._specs]
+        futures = []
+        deadline = time.monotonic() + self._connect_timeout
+        for spec in specs:
+            msg = p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
+            future: Future[Any] = Future()
+            reply_type, convert = CONVERT[p.Hello]
+            call = _Call(msg.id, self._encoder().encode(msg), future, reply_type, convert, deadline)
+            with self._lock:
+                self._pending[call.id] = call
+                if not channel.write(call.frame, on_loop=True):
+                    raise ServiceUnavailable("connection lost during the handshake")
+            futures.append(asyncio.wrap_future(future))
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*futures), self._connect_timeout)
+        except TimeoutError:
+            raise CallTimeout("no answer to hello") from None
+        return replies[0]  # type: ignore[no-any-return]
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._state = _CLOSED
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                channel.close()
+            calls = self._take_all()
+        self._ready.clear()
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+        _fail_calls(calls, ClientClosed("the client is closed"))
+        # Let the reconnect task see its cancellation, then stop the loop.
+        self._loop.call_soon(self._loop.stop)
+
+
+def _fail_calls(calls: list[_Call], exc: ServiceError) -> None:
+    for call in calls:
+        _fail(call.future, exc)
+
+
+def _fail(future: Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(exc)
+
+
+def _resolve(future: Future[Any], value: object) -> None:
+    if not future.done():
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(value)

@@ -1,0 +1,199 @@
+"""What kvtier's client returns and raises, and its reconnect policies (re-exported by app.client).
+
+Slots in replies are ``SlotRef`` objects rebuilt from the wire's tuples through a per-client
+``SlotCache``; the conversion functions run on the client's loop thread.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app import protocol as p
+from storage.base import ArenaInfo, LookupResult, SlotRef, StageResult
+
+
+# ------------------------------------------------------------------------------------------- errors
+class ServiceError(Exception):
+    """Base of every error a client call can fail with."""
+
+
+class ServiceUnavailable(ServiceError):
+    """The service cannot be reached now (not connected, connection lost, reconnecting)."""
+
+
+class ClientClosed(ServiceUnavailable):
+    """The client was closed, or is used in a process it was not created in (after fork)."""
+
+
+class CallTimeout(ServiceError, TimeoutError):
+    """The service did not answer within the call's timeout."""
+
+
+class RemoteError(ServiceError):
+    """The service refused the call; ``code`` is one of protocol.ErrorCode."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class StaleInstance(RemoteError):
+    """Slots named in the call belong to an earlier service instance (the service restarted)."""
+
+
+class AuthFailed(RemoteError):
+    """The service wants a different auth token (or a different protocol version)."""
+
+
+def remote_error(reply: p.ErrorReply) -> RemoteError:
+    if reply.code == p.ErrorCode.STALE_INSTANCE:
+        return StaleInstance(reply.code, reply.message)
+    if reply.code in (p.ErrorCode.AUTH, p.ErrorCode.VERSION):
+        return AuthFailed(reply.code, reply.message)
+    return RemoteError(reply.code, reply.message)
+
+
+# ------------------------------------------------------------------------------------------ replies
+@dataclass(frozen=True, slots=True)
+class HelloReply:
+    """Handshake answer: the service instance, its arena, and the namespace registered (if any)."""
+
+    instance_id: str
+    arena: ArenaInfo
+    namespace: str = ""
+    chunk_bytes: int = 0
+    version: int = p.PROTOCOL_VERSION
+
+    @property
+    def arena_path(self) -> str:
+        """Path of the arena file to map."""
+        return self.arena.path
+
+    @property
+    def arena_size(self) -> int:
+        """Size of the arena file in bytes."""
+        return self.arena.size
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    """A lookup's result and the service instance whose slots it names."""
+
+    result: LookupResult
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageReply:
+    """A stage's result and the service instance whose slots it names."""
+
+    result: StageResult
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveReply:
+    """Slots to fill (None where stored already or out of space) and their service instance."""
+
+    slots: list[SlotRef | None]
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReply:
+    """Whether the service can serve, and each tier's state."""
+
+    serving: bool
+    tiers: dict[str, bool]
+    instance_id: str
+
+
+def _hello(msg: p.HelloReply, cache: p.SlotCache) -> HelloReply:
+    return HelloReply(
+        msg.instance_id,
+        ArenaInfo(msg.arena_path, msg.arena_size),
+        msg.namespace,
+        msg.chunk_bytes,
+        msg.version,
+    )
+
+
+def _lookup(msg: p.LookupReply, cache: p.SlotCache) -> LookupReply:
+    return LookupReply(LookupResult(msg.num_hit, msg.tiers, cache.refs(msg.slots)), msg.instance_id)
+
+
+def _stage(msg: p.StageReply, cache: p.SlotCache) -> StageReply:
+    return StageReply(StageResult(cache.refs(msg.slots), msg.tiers, msg.failed), msg.instance_id)
+
+
+def _reserve(msg: p.ReserveReply, cache: p.SlotCache) -> ReserveReply:
+    return ReserveReply(cache.refs(msg.slots), msg.instance_id)
+
+
+def _none(msg: p.OkReply, cache: p.SlotCache) -> None:
+    return None
+
+
+def _count(msg: p.CountReply, cache: p.SlotCache) -> int:
+    return msg.count
+
+
+def _stats(msg: p.StatsReply, cache: p.SlotCache) -> dict[str, Any]:
+    return msg.stats
+
+
+def _health(msg: p.HealthReply, cache: p.SlotCache) -> HealthReply:
+    return HealthReply(msg.serving, msg.tiers, msg.instance_id)
+
+
+CONVERT: dict[type, tuple[type, Callable[[Any, p.SlotCache], Any]]] = {
+    p.Hello: (p.HelloReply, _hello),
+    p.Lookup: (p.LookupReply, _lookup),
+    p.Stage: (p.StageReply, _stage),
+    p.Reserve: (p.ReserveReply, _reserve),
+    p.Commit: (p.OkReply, _none),
+    p.Abort: (p.OkReply, _none),
+    p.Release: (p.OkReply, _none),
+    p.Delete: (p.CountReply, _count),
+    p.Clear: (p.CountReply, _count),
+    p.Stats: (p.StatsReply, _stats),
+    p.Health: (p.HealthReply, _health),
+}
+
+
+# ------------------------------------------------------------------------------------------ backoff
+class Backoff(Protocol):
+    """Reconnect schedule: seconds to wait before reconnect attempt number ``attempt`` (0-based)."""
+
+    def delay(self, attempt: int) -> float:
+        """Seconds before this attempt."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExponentialBackoff:
+    """initial * factor**attempt, capped, with +-jitter so many clients do not reconnect in step."""
+
+    initial: float = 0.05
+    factor: float = 2.0
+    maximum: float = 2.0
+    jitter: float = 0.2
+
+    def delay(self, attempt: int) -> float:
+        """Seconds before this attempt."""
+        base = min(self.maximum, self.initial * self.factor ** min(attempt, 32))
+        return max(0.0, base * (1.0 + random.uniform(-self.jitter, self.jitter)))
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantBackoff:
+    """The same short wait before every attempt (tests)."""
+
+    seconds: float = 0.01
+
+    def delay(self, attempt: int) -> float:
+        """Seconds before this attempt."""
+        return self.seconds

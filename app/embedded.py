@@ -1,0 +1,295 @@
+"""Embedded mode: one private kvtier service per vLLM engine, started by whoever needs it first.
+
+With ``service_url`` empty, every kvtier process of an engine (scheduler and workers) calls
+``ensure_service(settings, engine_id)``. All of them derive the same socket path from the engine id;
+a file lock (``fcntl.flock``) lets exactly one of them find the socket dead and start
+``python -m app.server`` as its child, while the others wait on the lock and then find it alive.
+
+Who owns what: the spawned service owns its socket, arena and state file and removes them when it
+stops. It stops on SIGTERM, or once its parent (the spawner) is gone and no client is connected:
+Linux's parent-death signal wakes it at once, and a watchdog polls as well. The spawner keeps only a
+reaper thread so the child never lingers as a zombie. A service that died hard (kill -9) leaves its
+state file behind; the next ``ensure_service`` under the lock removes the dead service's socket and
+arena (only if no live process holds the arena's lock) and starts a fresh one. Its CPU-tier chunks
+are lost, which the connector sees as misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from app import protocol as p
+from app.address import MAX_UNIX_PATH, runtime_dir
+from app.client import ServiceClient
+from app.settings import ENV_PREFIX, KVTierSettings
+
+log = logging.getLogger("kvtier.embedded")
+
+STARTUP_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 0.5
+STALE_WAIT_S = 3.0
+_MIN_RESPAWN_INTERVAL_S = 0.5
+
+
+class EmbeddedError(Exception):
+    """The embedded service could not be found or started."""
+
+
+def engine_key(engine_id: str) -> str:
+    """A short, filename-safe digest of vLLM's engine id (keeps socket paths below 108 bytes)."""
+    return hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+
+
+def paths_for(engine_id: str, base: Path | None = None) -> tuple[Path, Path, Path]:
+    """(socket, lock, state file) of the engine's service."""
+    directory = base or runtime_dir()
+    stem = directory / f"e-{engine_key(engine_id)}"
+    sock = Path(f"{stem}.sock")
+    if len(os.fsencode(str(sock))) > MAX_UNIX_PATH:
+        raise EmbeddedError(f"socket path {sock} is longer than {MAX_UNIX_PATH} bytes")
+    return sock, Path(f"{stem}.lock"), Path(f"{stem}.json")
+
+
+def service_env(settings: KVTierSettings, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: the parent's without KVTIER_*, plus every resolved setting.
+
+    Settings may have come from kv_connector_extra_config, which the child cannot see, so each one
+    is passed explicitly; secrets travel in the environment, never on the command line.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items()}
+    for key in [k for k in env if k.upper().startswith(ENV_PREFIX)]:
+        del env[key]
+    for name in KVTierSettings.model_fields:
+        if name in ("service_url", "config_file"):
+            continue
+        value = getattr(settings, name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = str(int(value)) if isinstance(value, int) else str(value)
+        env[f"{ENV_PREFIX}{name.upper()}"] = text
+    return env
+
+
+def probe(path: Path | str, token: str = "", timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True when a live service answers a hello on the unix socket at path.
+
+    A bare connect() is not enough: a service being killed still completes connects on its
+    listening socket until its last file is closed.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+        sock.sendall(p.FrameEncoder().encode(p.Hello(id=1, version=p.PROTOCOL_VERSION, token=token)))
+        decoder = p.reply_decoder()
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return False
+            if decoder.feed(data):
+                return True  # any reply, even a refusal, comes from a live service
+    except (OSError, p.ProtocolError):
+        return False
+    finally:
+        sock.close()
+
+
+@contextlib.contextmanager
+def _locked(path: Path, timeout: float) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EmbeddedError(f"timed out waiting for {path}") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _remove_unlocked_arena(path: str) -> None:
+    """Unlink a dead service's arena unless a live process still holds its lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        log.info("removed the arena of a dead kvtier service", extra={"arena": path})
+    finally:
+        os.close(fd)
+
+
+def _maybe_service(pid: int) -> bool:
+    """False only when pid is provably another program (its pid was reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return True
+    # A process that is exiting (kill -9 in progress) has an empty cmdline but still holds its locks.
+    return not cmdline or b"app.server" in cmdline
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def clean_stale(sock: Path, state: Path, token: str = "") -> bool:
+    """Remove what a dead service left: its socket, its arena (if unlocked) and its state file.
+
+    A recorded service that is still alive but not accepting is dying (kill -9 takes a moment to
+    release its files) or stuck: it gets a few seconds, then SIGTERM, before its files are taken.
+    Returns True (and touches nothing) when the recorded service answers after all.
+    """
+    try:
+        data = json.loads(state.read_text())
+    except (OSError, ValueError):
+        data = {}
+    pid = int(data.get("pid", 0) or 0)
+    if pid and _pid_alive(pid) and _maybe_service(pid):
+        if probe(sock, token):
+            return True
+        if not _wait_gone(pid, STALE_WAIT_S) and _maybe_service(pid):
+            log.warning("terminating an unresponsive kvtier service", extra={"pid": pid})
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+            _wait_gone(pid, STALE_WAIT_S)
+    arena = str(data.get("arena", ""))
+    if arena:
+        _remove_unlocked_arena(arena)
+    sock.unlink(missing_ok=True)
+    state.unlink(missing_ok=True)
+    return False
+
+
+def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.server",
+        "--url",
+        f"unix://{sock}",
+        "--parent-pid",
+        str(os.getpid()),
+        "--state-file",
+        str(state),
+    ]
+    root = str(Path(__file__).resolve().parent.parent)
+    env = service_env(settings)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+    # Reap the child whenever it exits so it never lingers as a zombie of the engine process.
+    threading.Thread(target=proc.wait, name="kvtier-service-reaper", daemon=True).start()
+    return proc
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, token: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if probe(sock, token):
+            return
+        if proc.poll() is not None:
+            raise EmbeddedError(
+                f"the kvtier service exited with status {proc.returncode} while starting "
+                "(its log is on this process's stderr)"
+            )
+        time.sleep(0.02)
+    proc.terminate()
+    raise EmbeddedError(f"the kvtier service did not listen on {sock} within {timeout:.0f}s")
+
+
+def ensure_service(
+    settings: KVTierSettings, engine_id: str, *, startup_timeout: float = STARTUP_TIMEOUT_S
+) -> str:
+    """The URL of the service: service_url when set, else the engine's embedded one (started here
+    if no process of the engine has started it yet, or if it died)."""
+    if settings.service_url:
+        return settings.service_url
+    sock, lock, state = paths_for(engine_id)
+    url = f"unix://{sock}"
+    token = settings.auth_token
+    if probe(sock, token):
+        return url
+    with _locked(lock, startup_timeout + 5.0):
+        if probe(sock, token):  # another process of the engine started it while we waited
+            return url
+        if clean_stale(sock, state, token):
+            return url
+        log.info("starting the embedded kvtier service", extra={"url": url})
+        proc = _spawn(settings, sock, state)
+        _wait_ready(proc, sock, token, startup_timeout)
+    return url
+
+
+def respawner(settings: KVTierSettings, engine_id: str) -> Callable[[], None]:
+    """An ``on_unavailable`` hook for ServiceClient that restarts the embedded service when it died.
+
+    Rate-limited so a service that cannot start is not spawned in a tight loop.
+    """
+    last = [0.0]
+    guard = threading.Lock()
+
+    def hook() -> None:
+        with guard:
+            wait = last[0] + _MIN_RESPAWN_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            last[0] = time.monotonic()
+            try:
+                ensure_service(settings, engine_id)
+            except (EmbeddedError, OSError) as exc:
+                log.warning("restarting the embedded kvtier service failed: %s", exc)
+
+    return hook
+
+
+def connect(settings: KVTierSettings, engine_id: str, **client_kwargs: Any) -> ServiceClient:
+    """A ServiceClient for the engine's service (configured or embedded; embedded ones respawn)."""
+    url = ensure_service(settings, engine_id)
+    hook = None if settings.service_url else respawner(settings, engine_id)
+    return ServiceClient(url, settings.auth_token, on_unavailable=hook, **client_kwargs)

@@ -1,0 +1,234 @@
+"""The service's counters, its Prometheus registry and the JSON shape of `kvtier stats --json`.
+
+Who owns what: the service's event loop owns ServiceMetrics (plain ints bumped on the hot path, no
+locks); the Prometheus registry belongs to one service instance, never the process-global one, and
+reads the store's counters at scrape time instead of keeping a second copy of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from storage.base import StoreStats, Tier
+
+LATENCY_BUCKETS = (
+    50e-6,
+    100e-6,
+    200e-6,
+    500e-6,
+    1e-3,
+    2e-3,
+    5e-3,
+    10e-3,
+    20e-3,
+    50e-3,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    5.0,
+)
+TIER_LABELS = tuple(t.label for t in Tier)
+TIMED_CALLS = ("lookup", "stage", "reserve", "commit")
+
+
+class ServiceMetrics:
+    """Counters the service keeps beyond the store's own: calls, hits by tier, protocol errors."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.lookups = 0
+        self.lookup_chunks = 0
+        self.hit_chunks = dict.fromkeys(TIER_LABELS, 0)
+        self.hit_tokens = dict.fromkeys(TIER_LABELS, 0)
+        self.calls: dict[str, int] = {}
+        self.call_errors: dict[tuple[str, str], int] = {}
+        self.protocol_errors: dict[str, int] = {}
+        self.connections = 0
+        self.connections_total = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.histograms = {name: self._histogram(name, f"{name} calls") for name in TIMED_CALLS}
+        self.timing = {name: [0, 0.0] for name in TIMED_CALLS}  # count, seconds (for stats)
+
+    def _histogram(self, name: str, what: str) -> Histogram:
+        return Histogram(
+            f"kvtier_{name}_seconds",
+            f"Service-side latency of {what}.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, call: str, seconds: float) -> None:
+        """One timed call (lookup, stage or commit), as measured inside the service."""
+        self.histograms[call].observe(seconds)
+        entry = self.timing[call]
+        entry[0] += 1
+        entry[1] += seconds
+
+    def count_hits(self, tiers: list[Tier], chunk_tokens: int) -> None:
+        """Add one lookup's hits (the tier of each hit chunk) by tier."""
+        self.lookups += 1
+        for tier, label in zip(Tier, TIER_LABELS, strict=True):
+            n = tiers.count(tier)  # C-level scan, cheaper than a Python loop over 64+ hits
+            if n:
+                self.hit_chunks[label] += n
+                self.hit_tokens[label] += n * chunk_tokens
+
+    def count_call_error(self, call: str, code: str) -> None:
+        """One failed call, by call name and error code."""
+        key = (call, code)
+        self.call_errors[key] = self.call_errors.get(key, 0) + 1
+
+    def count_protocol_error(self, kind: str) -> None:
+        """One connection closed for a bad frame or failed handshake."""
+        self.protocol_errors[kind] = self.protocol_errors.get(kind, 0) + 1
+
+    @property
+    def uptime(self) -> float:
+        """Seconds since this service started."""
+        return time.monotonic() - self.started
+
+
+def stats_dict(stats: StoreStats, metrics: ServiceMetrics, instance_id: str) -> dict[str, Any]:
+    """The object of `kvtier stats --json`, /stats and the stats call (no settings, no secrets)."""
+    tiers: dict[str, dict[str, Any]] = {}
+    for name, tier in stats.tiers.items():
+        tiers[name] = {
+            "chunks": tier.chunks,
+            "bytes": tier.bytes,
+            "capacity": tier.capacity,
+            "hits": tier.hits,
+            "misses": tier.misses,
+            "stores": tier.stores,
+            "evictions": tier.evictions,
+            "errors": tier.error_total,
+            "errors_by_kind": dict(tier.errors),
+            "bytes_read": tier.bytes_read,
+            "bytes_written": tier.bytes_written,
+            "healthy": tier.healthy,
+        }
+    return {
+        "instance_id": instance_id,
+        "uptime_s": round(metrics.uptime, 3),
+        "tiers": tiers,
+        "leases_active": stats.leases_active,
+        "slots_in_use": stats.slots_in_use,
+        "slots_total_bytes": stats.slots_total_bytes,
+        "write_queue_depth": stats.write_queue_depth,
+        "writes_dropped": stats.writes_dropped,
+        "namespaces": stats.namespaces,
+        "connections": metrics.connections,
+        "lookups": metrics.lookups,
+        "hit_chunks": dict(metrics.hit_chunks),
+        "hit_tokens": dict(metrics.hit_tokens),
+        "calls": dict(metrics.calls),
+        "call_errors": {f"{c}:{k}": n for (c, k), n in metrics.call_errors.items()},
+        "protocol_errors": dict(metrics.protocol_errors),
+        "service_seconds": {
+            name: {"count": count, "sum": round(total, 6)} for name, (count, total) in metrics.timing.items()
+        },
+    }
+
+
+class StoreCollector(Collector):
+    """Turns the store's StoreStats and the service counters into Prometheus families on scrape."""
+
+    def __init__(self, snapshot: Callable[[], StoreStats], metrics: ServiceMetrics) -> None:
+        self._snapshot = snapshot
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        """Every kvtier family except the latency histograms (those are registered directly)."""
+        stats, m = self._snapshot(), self._metrics
+        yield from _tier_families(stats)
+        yield _gauge("kvtier_leases_active", "Leases held by lookups.", stats.leases_active)
+        yield _gauge("kvtier_slots_in_use", "Arena slots reserved, leased or stored.", stats.slots_in_use)
+        yield _gauge("kvtier_slots_bytes", "Bytes of the arena in use.", stats.slots_total_bytes)
+        yield _gauge(
+            "kvtier_write_queue_depth",
+            "Chunks waiting for lower-tier writes.",
+            stats.write_queue_depth,
+        )
+        yield _counter(
+            "kvtier_writes_dropped", "Lower-tier writes dropped (queue full).", stats.writes_dropped
+        )
+        yield _gauge("kvtier_namespaces", "Registered namespaces.", stats.namespaces)
+        yield _gauge("kvtier_connections", "Open client connections.", m.connections)
+        yield _counter("kvtier_lookups", "Lookup calls served.", m.lookups)
+        hits = CounterMetricFamily("kvtier_hit_chunks", "Chunks found by lookups, by tier.", labels=["tier"])
+        tokens = CounterMetricFamily(
+            "kvtier_hit_tokens", "Tokens found by lookups, by tier.", labels=["tier"]
+        )
+        for label in TIER_LABELS:
+            hits.add_metric([label], m.hit_chunks[label])
+            tokens.add_metric([label], m.hit_tokens[label])
+        yield hits
+        yield tokens
+        calls = CounterMetricFamily("kvtier_calls", "Calls served, by call.", labels=["call"])
+        for call, n in m.calls.items():
+            calls.add_metric([call], n)
+        yield calls
+        errs = CounterMetricFamily(
+            "kvtier_call_errors", "Failed calls, by call and error code.", labels=["call", "code"]
+        )
+        for (call, code), n in m.call_errors.items():
+            errs.add_metric([call, code], n)
+        yield errs
+        proto = CounterMetricFamily(
+            "kvtier_protocol_errors", "Connections closed for bad frames.", labels=["kind"]
+        )
+        for kind, n in m.protocol_errors.items():
+            proto.add_metric([kind], n)
+        yield proto
+
+
+def _tier_families(stats: StoreStats) -> Iterator[Metric]:
+    gauges = {
+        "chunks": ("kvtier_tier_chunks", "Chunks stored in the tier."),
+        "bytes": ("kvtier_tier_bytes", "Bytes stored in the tier."),
+        "capacity": ("kvtier_tier_capacity_bytes", "Capacity of the tier in bytes."),
+    }
+    counters = {
+        "hits": ("kvtier_tier_hits", "Chunks the tier served."),
+        "misses": ("kvtier_tier_misses", "Chunks asked of the tier and not found."),
+        "stores": ("kvtier_tier_stores", "Chunks written to the tier."),
+        "evictions": ("kvtier_tier_evictions", "Chunks evicted from the tier."),
+        "bytes_read": ("kvtier_tier_read_bytes", "Bytes read from the tier."),
+        "bytes_written": ("kvtier_tier_written_bytes", "Bytes written to the tier."),
+    }
+    families: dict[str, Metric] = {}
+    for attr, (name, doc) in gauges.items():
+        families[attr] = GaugeMetricFamily(name, doc, labels=["tier"])
+    for attr, (name, doc) in counters.items():
+        families[attr] = CounterMetricFamily(name, doc, labels=["tier"])
+    healthy = GaugeMetricFamily("kvtier_tier_healthy", "1 when the tier is serving.", labels=["tier"])
+    errors = CounterMetricFamily("kvtier_tier_errors", "Tier errors by kind.", labels=["tier", "kind"])
+    for tier_name, tier in stats.tiers.items():
+        for attr, family in families.items():
+            family.add_metric([tier_name], getattr(tier, attr))  # type: ignore[attr-defined]
+        healthy.add_metric([tier_name], 1.0 if tier.healthy else 0.0)
+        for kind, n in tier.errors.items():
+            errors.add_metric([tier_name, kind], n)
+    yield from families.values()
+    yield healthy
+    yield errors
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def build_registry(snapshot: Callable[[], StoreStats], metrics: ServiceMetrics) -> CollectorRegistry:
+    """The service instance's registry: latency histograms plus the scrape-time store collector."""
+    metrics.registry.register(StoreCollector(snapshot, metrics))
+    return metrics.registry

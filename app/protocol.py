@@ -1,0 +1,347 @@
+"""kvtier's wire protocol: length-prefixed msgpack frames carrying msgspec structs.
+
+A frame is a 4-byte big-endian payload length followed by one msgpack message. Every message is a
+tagged, array-like struct whose first field after the tag is the request id, so many calls can be in
+flight on one connection and replies may come back in any order. The first request on a connection
+must be ``Hello`` (protocol version and, when the service has one, the auth token); later ``Hello``s
+register namespaces. Errors come back as ``ErrorReply`` with a stable ``code``. No pickle: msgspec
+decodes only the types declared here, with bounded sizes, and anything else is a ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Final
+
+import msgspec
+
+from storage.base import NamespaceSpec, SlotRef, Tier
+
+PROTOCOL_VERSION: Final = 1
+HEADER = struct.Struct(">I")
+HEADER_BYTES: Final = HEADER.size
+# A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
+# bad peer make the service buffer gigabytes.
+MAX_FRAME_BYTES: Final = 8 << 20
+
+Hash = Annotated[bytes, msgspec.Meta(max_length=256)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+# An arena slot on the wire is (offset, length): msgspec encodes a frozen dataclass as a map and
+# decodes it 3x slower than a tuple; both ends turn tuples into SlotRef objects themselves (see
+# slot_tuples / SlotCache), reusing the ones they already hold.
+Slot = tuple[int, int]
+Token = Annotated[str, msgspec.Meta(max_length=4096)]
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class ErrorCode:
+    """Stable codes of ErrorReply; clients switch on these, never on the message text."""
+
+    BAD_REQUEST: Final = "bad_request"
+    VERSION: Final = "version"
+    AUTH: Final = "auth"
+    HELLO_REQUIRED: Final = "hello_required"
+    UNKNOWN_NAMESPACE: Final = "unknown_namespace"
+    ARENA_FULL: Final = "arena_full"
+    STALE_INSTANCE: Final = "stale_instance"
+    SHUTTING_DOWN: Final = "shutting_down"
+    INTERNAL: Final = "internal"
+
+
+# ------------------------------------------------------------------------------------------- errors
+class ProtocolError(Exception):
+    """A frame that cannot be accepted; the connection that sent it is closed."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame header announced more bytes than the limit."""
+
+
+class MalformedFrame(ProtocolError):
+    """A frame whose payload is not a valid message of this protocol."""
+
+
+# ----------------------------------------------------------------------------------------- requests
+class _Msg(msgspec.Struct, array_like=True, tag_field="t"):
+    """Base of every message: tagged, encoded as an array, first field the request id."""
+
+    id: ReqId
+
+
+class Hello(_Msg, tag="hello"):
+    """Handshake (first frame) and namespace registration (spec set)."""
+
+    version: int
+    token: Token = ""
+    spec: NamespaceSpec | None = None
+
+
+class Lookup(_Msg, tag="lookup"):
+    """Count leading stored chunks and lease them under lease_id."""
+
+    namespace: Name
+    hashes: list[Hash]
+    lease_id: Name
+
+
+class Stage(_Msg, tag="stage"):
+    """Bring every chunk of a lease into arena slots."""
+
+    lease_id: Name
+
+
+class Reserve(_Msg, tag="reserve"):
+    """Slots to fill for these chunks."""
+
+    namespace: Name
+    hashes: list[Hash]
+
+
+class Commit(_Msg, tag="commit"):
+    """Publish filled slots; instance_id (when set) must match the service's or nothing happens."""
+
+    namespace: Name
+    hashes: list[Hash]
+    slots: list[Slot]
+    instance_id: Name = ""
+
+
+class Abort(_Msg, tag="abort"):
+    """Give reserved slots back unfilled."""
+
+    slots: list[Slot]
+    instance_id: Name = ""
+
+
+class Release(_Msg, tag="release"):
+    """End a lease."""
+
+    lease_id: Name
+
+
+class Delete(_Msg, tag="delete"):
+    """Remove chunks from every tier."""
+
+    namespace: Name
+    hashes: list[Hash]
+
+
+class Clear(_Msg, tag="clear"):
+    """Drop every unleased chunk of the named tiers (Tier values); empty = every tier."""
+
+    tiers: list[int]
+
+
+class Stats(_Msg, tag="stats"):
+    """Counters of every tier, leases and slots (same shape as `kvtier stats --json`)."""
+
+
+class Health(_Msg, tag="health"):
+    """Whether the service can serve, and each tier's state."""
+
+
+Request = Hello | Lookup | Stage | Reserve | Commit | Abort | Release | Delete | Clear | Stats | Health
+
+
+# ------------------------------------------------------------------------------------------ replies
+class HelloReply(_Msg, tag="hello_ok"):
+    """Handshake answer; namespace and chunk_bytes are set when a spec was registered."""
+
+    version: int
+    instance_id: str
+    arena_path: str
+    arena_size: int
+    namespace: str = ""
+    chunk_bytes: int = 0
+
+
+class LookupReply(_Msg, tag="lookup_ok"):
+    """Answer of Lookup: the tier of each hit, and its arena slot when it is a CPU-tier hit."""
+
+    num_hit: int
+    tiers: list[Tier]
+    slots: list[Slot | None]
+    instance_id: str
+
+
+class StageReply(_Msg, tag="stage_ok"):
+    """Answer of Stage: a slot per leased chunk (None where missing) and the failed indices."""
+
+    slots: list[Slot | None]
+    tiers: list[Tier]
+    failed: list[int]
+    instance_id: str
+
+
+class ReserveReply(_Msg, tag="reserve_ok"):
+    """Answer of Reserve: a slot per key, None where stored already or out of space."""
+
+    slots: list[Slot | None]
+    instance_id: str
+
+
+class OkReply(_Msg, tag="ok"):
+    """Answer of Commit, Abort and Release."""
+
+
+class CountReply(_Msg, tag="count"):
+    """Answer of Delete and Clear: how many chunks were affected."""
+
+    count: int
+
+
+class StatsReply(_Msg, tag="stats_ok"):
+    """Answer of Stats: a JSON-shaped dict."""
+
+    stats: dict[str, object]
+
+
+class HealthReply(_Msg, tag="health_ok"):
+    """Answer of Health."""
+
+    serving: bool
+    instance_id: str
+    tiers: dict[str, bool]
+
+
+class ErrorReply(_Msg, tag="error"):
+    """A call that failed: a stable code from ErrorCode and a human message."""
+
+    code: str
+    message: str
+
+
+Reply = (
+    HelloReply
+    | LookupReply
+    | StageReply
+    | ReserveReply
+    | OkReply
+    | CountReply
+    | StatsReply
+    | HealthReply
+    | ErrorReply
+)
+REQUEST_TYPES: Final = Request.__args__
+REPLY_TYPES: Final = Reply.__args__
+
+
+# -------------------------------------------------------------------------------------------- codec
+class FrameEncoder:
+    """Encodes messages into length-prefixed frames, reusing one buffer per call site."""
+
+    __slots__ = ("_encoder",)
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        """One frame: header and payload."""
+        buf = bytearray(HEADER_BYTES)
+        self._encoder.encode_into(msg, buf, HEADER_BYTES)
+        size = len(buf) - HEADER_BYTES
+        if size > MAX_FRAME_BYTES:
+            raise FrameTooLarge(f"message of {size} bytes exceeds the {MAX_FRAME_BYTES} byte frame limit")
+        HEADER.pack_into(buf, 0, size)
+        return bytes(buf)
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames and decodes each into one of the declared message types.
+
+    ``feed`` returns every complete message so far; it raises only ProtocolError subclasses, after
+    which the stream is unusable (the caller closes the connection).
+    """
+
+    __slots__ = ("_buf", "_decoder", "_max")
+
+    def __init__(self, kind: type, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(kind)
+        self._buf = bytearray()
+        self._max = max_frame
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet decoded."""
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list:
+        """Append received bytes and return the messages they complete."""
+        if self._buf:
+            self._buf += data
+            with memoryview(self._buf) as view:
+                out, used = self._split(view)
+            del self._buf[:used]
+            return out
+        # Nothing left over (the usual case): decode straight from data, keep only a partial tail.
+        with memoryview(data) as view:
+            out, used = self._split(view)
+            if used < len(view):
+                self._buf += view[used:]
+        return out
+
+    def _split(self, view: memoryview) -> tuple[list, int]:
+        """Decode every complete frame in view; returns them and the bytes they took."""
+        out = []
+        pos, end = 0, len(view)
+        while end - pos >= HEADER_BYTES:
+            (size,) = HEADER.unpack_from(view, pos)
+            if size > self._max:
+                raise FrameTooLarge(f"frame of {size} bytes exceeds the {self._max} byte limit")
+            stop = pos + HEADER_BYTES + size
+            if stop > end:
+                break
+            try:
+                out.append(self._decoder.decode(view[pos + HEADER_BYTES : stop]))
+            except Exception as exc:
+                # msgspec raises DecodeError/ValidationError, but also UnicodeDecodeError for a
+                # bad tag string (found by the fuzz test): any of them is a malformed frame.
+                raise MalformedFrame(f"undecodable frame of {size} bytes: {exc}") from None
+            pos = stop
+        return out, pos
+
+
+def slot_tuples(slots: list[SlotRef | None]) -> list[Slot | None]:
+    """SlotRefs as the wire carries them."""
+    return [None if s is None else (s.offset, s.length) for s in slots]
+
+
+class SlotCache:
+    """Turns wire slots back into SlotRefs, reusing one object per slot.
+
+    An arena holds few distinct slots (its size over the chunk size), so the cache stays small and
+    most lookups cost one dict hit instead of a dataclass construction; it is dropped when it grows
+    past ``limit`` (many namespaces of odd sizes).
+    """
+
+    __slots__ = ("_cache", "_limit")
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._cache: dict[Slot, SlotRef] = {}
+        self._limit = limit
+
+    def refs(self, raw: list[Slot | None]) -> list[SlotRef | None]:
+        """SlotRef (or None) for each wire slot."""
+        cache = self._cache
+        out: list[SlotRef | None] = []
+        for item in raw:
+            if item is None:
+                out.append(None)
+                continue
+            ref = cache.get(item)
+            if ref is None:
+                if len(cache) >= self._limit:
+                    cache.clear()
+                ref = cache[item] = SlotRef(item[0], item[1])
+            out.append(ref)
+        return out
+
+
+def request_decoder(max_frame: int = MAX_FRAME_BYTES) -> FrameDecoder:
+    """Decoder of the frames a service receives."""
+    return FrameDecoder(Request, max_frame)  # type: ignore[arg-type]
+
+
+def reply_decoder(max_frame: int = MAX_FRAME_BYTES) -> FrameDecoder:
+    """Decoder of the frames a client receives."""
+    return FrameDecoder(Reply, max_frame)  # type: ignore[arg-type]

@@ -1,0 +1,366 @@
+"""The kvtier service process: `kvtier serve` and `python -m app.server` (the embedded child).
+
+Who owns what: ``run_service`` owns the store, the listening socket (and its file), the admin server
+and the state file, and releases each of them on every path: SIGTERM/SIGINT, a parent that went away
+(embedded mode), or a failure while starting. Request handling lives in ``app.service``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.address import Address, parse_url, resolve_url
+from app.logs import secrets_of, setup_logging
+from app.loops import new_event_loop
+from app.service import Connection, Service
+from app.settings import KVTierSettings, SettingsError, load_settings
+from storage.base import StorageError, StoreAPI
+
+log = logging.getLogger("kvtier.server")
+
+StoreFactory = Callable[[KVTierSettings], Awaitable[StoreAPI]]
+PR_SET_PDEATHSIG = 1
+PARENT_SIGNAL = signal.SIGUSR1  # sent by the kernel when the spawning thread dies (embedded mode)
+WATCHDOG_PERIOD_S = 0.5
+
+
+class ServeError(Exception):
+    """The service cannot start: address in use, refused configuration, store failure."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How one service process runs, beyond KVTierSettings."""
+
+    url: str
+    drain_timeout: float = 5.0
+    grace: float = 2.0
+    parent_pid: int = 0  # embedded: exit once this parent is gone and no client is connected
+    state_file: str = ""  # embedded: where to record pid, url and arena for the next spawner
+
+
+async def _default_store(settings: KVTierSettings) -> StoreAPI:
+    from storage.store import build_store  # imported late: storage pulls in the tier clients
+
+    return await build_store(settings)
+
+
+def check_bind(address: Address, settings: KVTierSettings) -> None:
+    """Refuse a non-loopback TCP bind without an auth token."""
+    if address.scheme == "tcp" and not address.is_loopback and not settings.auth_token:
+        raise ServeError(
+            f"refusing to listen on {address.url}: a non-loopback TCP address needs "
+            "KVTIER_AUTH_TOKEN (auth_token) so clients must authenticate"
+        )
+
+
+def _owns_file(path: str, inode: int) -> bool:
+    try:
+        return os.lstat(path).st_ino == inode
+    except OSError:
+        return False
+
+
+def _unix_socket(path: str) -> socket.socket:
+    """A bound unix socket at path, mode 0600, after removing a stale socket file there."""
+    existing = Path(path)
+    if existing.exists() or existing.is_symlink():
+        info = existing.lstat()
+        if not stat.S_ISSOCK(info.st_mode):
+            raise ServeError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            existing.unlink(missing_ok=True)  # nobody accepts there: a dead service's socket
+        else:
+            raise ServeError(f"another service is already listening on unix://{path}")
+        finally:
+            probe.close()
+    existing.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # The umask decides the socket file's mode at bind(); no other thread runs yet.
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(512)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def listen(service: Service, address: Address) -> tuple[asyncio.Server, int]:
+    """Start accepting connections at address; also returns the socket file's inode (0 for TCP)."""
+    loop = asyncio.get_running_loop()
+    if address.scheme == "unix":
+        sock = _unix_socket(address.path)
+        inode = os.lstat(address.path).st_ino
+        try:
+            server = await loop.create_unix_server(lambda: Connection(service), sock=sock)
+        except BaseException:
+            sock.close()
+            if _owns_file(address.path, inode):
+                os.unlink(address.path)
+            raise
+        return server, inode
+    server = await loop.create_server(
+        lambda: Connection(service), address.host, address.port, reuse_address=True, backlog=512
+    )
+    for sock in server.sockets:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return server, 0
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    # Our parent is the spawner; once it exits we are re-parented and getppid() changes.
+    return os.getppid() != parent_pid
+
+
+async def _watchdog(service: Service, parent_pid: int, stop: asyncio.Event, poke: asyncio.Event) -> None:
+    """Embedded mode: stop once the parent is gone and no client is connected."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(poke.wait(), WATCHDOG_PERIOD_S)
+        poke.clear()
+        if _parent_gone(parent_pid) and service.connection_count == 0:
+            log.info("parent %d is gone and no client is connected: stopping", parent_pid)
+            stop.set()
+
+
+def set_parent_death_signal(sig: int = PARENT_SIGNAL) -> bool:
+    """Ask Linux to signal us when the spawning thread dies; False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _write_state(path: str, data: dict[str, object]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _remove_state(path: str) -> None:
+    """Remove the state file if it is still ours (a successor may have written its own)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            pid = json.load(f).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return
+    if pid == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def run_service(
+    settings: KVTierSettings,
+    options: ServeOptions,
+    *,
+    store_factory: StoreFactory = _default_store,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[Service], None] | None = None,
+) -> None:
+    """Run one service until stop is set (SIGTERM/SIGINT set it when run as a process)."""
+    address = parse_url(options.url)
+    check_bind(address, settings)
+    stop = stop or asyncio.Event()
+    store = await store_factory(settings)
+    service: Service | None = None
+    server: asyncio.Server | None = None
+    inode = 0
+    admin = None
+    try:
+        service = Service(store, auth_token=settings.auth_token, lease_ttl=settings.lease_ttl)
+        arena = store.arena_info()
+        if options.state_file:  # before listening: whoever sees the socket may read it at once
+            _write_state(options.state_file, {"pid": os.getpid(), "url": options.url, "arena": arena.path})
+        server, inode = await listen(service, address)
+        if settings.admin_port:
+            from app.admin import AdminServer
+
+            admin = AdminServer(service, settings.admin_host, settings.admin_port)
+            await admin.start()
+        log.info(
+            "serving",
+            extra={
+                "url": options.url,
+                "instance_id": service.instance_id,
+                "arena": arena.path,
+                "arena_bytes": arena.size,
+                "pid": os.getpid(),
+                "admin": f"{settings.admin_host}:{admin.port}" if admin else "",
+            },
+        )
+        if ready is not None:
+            ready(service)
+        await _serve_until(service, options, stop)
+    finally:
+        await _shutdown(service, server, admin, store, (address, inode), options)
+
+
+async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Event) -> None:
+    poke = asyncio.Event()
+    watchdog = None
+    if options.parent_pid:
+        watchdog = asyncio.get_running_loop().create_task(_watchdog(service, options.parent_pid, stop, poke))
+        _install(PARENT_SIGNAL, poke.set)
+    try:
+        await stop.wait()
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
+
+
+async def _shutdown(
+    service: Service | None,
+    server: asyncio.Server | None,
+    admin: object,
+    store: StoreAPI,
+    bound: tuple[Address, int],
+    options: ServeOptions,
+) -> None:
+    """Stop accepting, drain calls, close clients, drain writes, remove socket, arena and state."""
+    arena_path = ""
+    with contextlib.suppress(Exception):
+        arena_path = store.arena_info().path
+    try:
+        if server is not None:
+            server.close()
+        address, inode = bound
+        # Only our own socket file: a successor may already listen at the same path.
+        if address.scheme == "unix" and _owns_file(address.path, inode):
+            os.unlink(address.path)  # new clients now fail fast instead of queueing
+        if service is not None:
+            await service.drain(options.grace)
+        if admin is not None:
+            await admin.close()  # type: ignore[attr-defined]
+    finally:
+        try:
+            await store.close(options.drain_timeout)
+        finally:
+            if arena_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(arena_path)
+            if options.state_file:
+                _remove_state(options.state_file)
+            log.info("stopped", extra={"url": options.url})
+
+
+def _install(sig: int, callback: Callable[[], None]) -> None:
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().add_signal_handler(sig, callback)
+
+
+async def _main_async(settings: KVTierSettings, options: ServeOptions, early: list[int]) -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        _install(sig, stop.set)
+    if early:  # a signal came while starting up: start, then stop right away so cleanup runs
+        stop.set()
+    await run_service(settings, options, stop=stop)
+
+
+def serve(settings: KVTierSettings, options: ServeOptions) -> int:
+    """Run the service in this process until a signal; returns the exit status."""
+    early: list[int] = []
+    # Until the loop's handlers are in place, remember TERM/INT/parent-death instead of dying
+    # with an arena file and no cleanup.
+    for sig in (signal.SIGTERM, signal.SIGINT, PARENT_SIGNAL):
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
+    if options.parent_pid:
+        set_parent_death_signal()
+        if _parent_gone(options.parent_pid):
+            log.info("parent %d exited before the service started", options.parent_pid)
+            return 0
+    setup_logging(settings.log_level, secrets_of(settings.auth_token, settings.redis_url))
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(_main_async(settings, options, [s for s in early if s != PARENT_SIGNAL]))
+    except (ServeError, StorageError, OSError, ValueError) as exc:
+        log.error("cannot serve: %s", exc)
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options shared by `kvtier serve` and `python -m app.server`."""
+    parser.add_argument("--url", help="listen here instead of service_url (unix:///path, tcp://h:p)")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to flush queued disk/Redis writes at shutdown (default 5)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=2.0,
+        help="seconds in-flight calls may finish at shutdown (default 2)",
+    )
+
+
+def options_from_args(args: argparse.Namespace, settings: KVTierSettings) -> ServeOptions:
+    """ServeOptions from parsed arguments."""
+    return ServeOptions(
+        url=resolve_url(settings.service_url, args.url),
+        drain_timeout=args.drain_timeout,
+        grace=args.grace,
+        parent_pid=getattr(args, "parent_pid", 0) or 0,
+        state_file=getattr(args, "state_file", "") or "",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m app.server`: the process embedded mode spawns (settings come from KVTIER_*)."""
+    parser = argparse.ArgumentParser(prog="python -m app.server", description="Run a kvtier service.")
+    add_serve_arguments(parser)
+    parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--state-file", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+        options = options_from_args(args, settings)
+        parse_url(options.url)
+    except (SettingsError, ValueError, OSError) as exc:
+        print(f"kvtier: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,535 @@
+"""The kvtier service's request handling: connections, handshake, dispatch, and who owns what.
+
+Who owns what: everything here runs on the service's one event loop, and nothing else touches it.
+``Service`` owns the store, the connections, and two ownership maps: lease id -> connection and
+reserved slot -> connection. A lease or a reserved slot belongs to the connection that took it; when
+that connection drops (the client exited or was killed), its in-flight calls finish first and then
+its leases are released and its reserved slots aborted, so a vanished client leaks nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+import types
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any, cast
+
+from app import protocol as p
+from app.metrics import ServiceMetrics, stats_dict
+from storage.base import (
+    ArenaFullError,
+    NamespaceSpec,
+    SlotRef,
+    SlotStateError,
+    StorageError,
+    StoreAPI,
+    Tier,
+    UnknownNamespaceError,
+)
+
+log = logging.getLogger("kvtier.service")
+
+CLOSE_GRACE_S = 2.0  # a closed connection's unread replies may take this long before it is cut
+
+
+class CallError(Exception):
+    """A call refused with a protocol error code (becomes an ErrorReply)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: frames in, replies out, and the leases and slots it owns."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.transport: asyncio.Transport | None = None
+        self.decoder = p.request_decoder(service.max_frame)
+        self.peer = "?"
+        self.authed = False
+        self.closed = False
+        self.leases: set[str] = set()
+        self.slots: set[int] = set()  # offsets of the reserved slots it owns
+        self.inflight: set[asyncio.Task[None]] = set()
+        self.last_hello: asyncio.Task[None] | None = None
+
+    # --------------------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Register with the service."""
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer) if peer else "unix"
+        self.service.attach(self)
+
+    def data_received(self, data: bytes) -> None:
+        """Decode every complete frame and dispatch it."""
+        try:
+            messages = self.decoder.feed(data)
+        except p.ProtocolError as exc:
+            kind = "oversized" if isinstance(exc, p.FrameTooLarge) else "malformed"
+            self.abort_protocol(kind, str(exc))
+            return
+        for msg in messages:
+            if self.closed or (self.transport is not None and self.transport.is_closing()):
+                return  # refused or shut: the rest of the batch is not served
+            self.service.dispatch(self, msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Hand the connection's leases and slots back once its in-flight calls are done."""
+        self.closed = True
+        self.service.detach(self)
+
+    def pause_writing(self) -> None:
+        """The client is not reading its replies: stop reading its requests."""
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        """The client caught up."""
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    # --------------------------------------------------------------------------- helpers
+    def send(self, frame: bytes) -> None:
+        """Write one encoded frame unless the connection is gone."""
+        if not self.closed and self.transport is not None:
+            self.transport.write(frame)
+
+    def abort_protocol(self, kind: str, reason: str) -> None:
+        """Close this connection for a protocol violation, logging why; other clients go on."""
+        log.warning("closing connection: %s", reason, extra={"peer": self.peer, "kind": kind})
+        self.service.metrics.count_protocol_error(kind)
+        self.close()
+
+    def close(self) -> None:
+        """Close after flushing what was written; abort if the peer does not read it in time."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+            asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._force_close)
+
+    def _force_close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.abort()
+
+
+class Service:
+    """Serves StoreAPI calls to many connections; see the module docstring for ownership."""
+
+    def __init__(
+        self,
+        store: StoreAPI,
+        *,
+        auth_token: str = "",
+        lease_ttl: float = 60.0,
+        instance_id: str | None = None,
+        max_frame: int = p.MAX_FRAME_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.instance_id = instance_id or secrets.token_hex(8)
+        self.max_frame = max_frame
+        self.metrics = ServiceMetrics()
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self._token = auth_token.encode()
+        self._lease_ttl = lease_ttl
+        self._clock = clock
+        self._encoder = p.FrameEncoder()
+        self._leases: OrderedDict[str, tuple[Connection, float]] = OrderedDict()
+        self._slots: dict[int, tuple[SlotRef, Connection]] = {}  # offset -> reserved slot, owner
+        self._chunk_tokens: dict[str, int] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
+        self._closing: set[Connection] = set()  # dropped, with calls still in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._handlers: dict[type, Callable[[Connection, Any], Awaitable[p.Reply]]] = {
+            p.Hello: self._hello,
+            p.Lookup: self._lookup,
+            p.Stage: self._stage,
+            p.Reserve: self._reserve,
+            p.Commit: self._commit,
+            p.Abort: self._abort,
+            p.Release: self._release,
+            p.Delete: self._delete,
+            p.Clear: self._clear,
+            p.Stats: self._stats,
+            p.Health: self._health,
+        }
+
+    # --------------------------------------------------------------------------- connections
+    def attach(self, conn: Connection) -> None:
+        """A new connection; refused while draining."""
+        if self.draining:
+            conn.close()
+            return
+        self.connections.add(conn)
+        self.metrics.connections = len(self.connections)
+        self.metrics.connections_total += 1
+        self._idle.clear()
+
+    def detach(self, conn: Connection) -> None:
+        """A connection dropped; clean up now or after its last in-flight call."""
+        self.connections.discard(conn)
+        self.metrics.connections = len(self.connections)
+        if conn.inflight:
+            self._closing.add(conn)
+        else:
+            self._start_cleanup(conn)
+
+    @property
+    def connection_count(self) -> int:
+        """Open client connections."""
+        return len(self.connections)
+
+    def _start_cleanup(self, conn: Connection) -> None:
+        self._closing.discard(conn)
+        leases = [lid for lid in conn.leases if self._leases.get(lid, (None,))[0] is conn]
+        slots = [e[0] for o in conn.slots if (e := self._slots.get(o)) is not None and e[1] is conn]
+        conn.leases.clear()
+        conn.slots.clear()
+        for lid in leases:
+            del self._leases[lid]
+        for slot in slots:
+            del self._slots[slot.offset]
+        if leases or slots:
+            task = asyncio.get_running_loop().create_task(self._cleanup(conn.peer, leases, slots))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanup_done)
+        else:
+            self._check_idle()
+
+    async def _cleanup(self, peer: str, leases: list[str], slots: list[SlotRef]) -> None:
+        if slots:
+            try:
+                await self.store.abort(slots)
+            except Exception:
+                log.exception("aborting the slots of a closed connection failed", extra={"peer": peer})
+        for lid in leases:
+            try:
+                await self.store.release(lid)
+            except Exception:
+                log.exception("releasing a lease of a closed connection failed", extra={"peer": peer})
+        log.info(
+            "released what a closed connection held",
+            extra={"peer": peer, "leases": len(leases), "slots": len(slots)},
+        )
+
+    def _cleanup_done(self, task: asyncio.Task[None]) -> None:
+        self._cleanups.discard(task)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self.connections and not self._cleanups and not self._closing:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no connection is open and every cleanup has run."""
+        await self._idle.wait()
+
+    # --------------------------------------------------------------------------- dispatch
+    def dispatch(self, conn: Connection, msg: p.Request) -> None:
+        """Run one call; the first frame of a connection must be an acceptable Hello.
+
+        The call runs eagerly, right here: most store calls never suspend, and skipping a Task for
+        them saves a good share of the service's time per call. A call that does suspend is handed
+        to a Task at the point it suspended and tracked as in flight on its connection.
+        """
+        if not conn.authed and not self._handshake(conn, msg):
+            return
+        coro = self._serve(conn, msg)
+        try:
+            waiting = coro.send(None)
+        except StopIteration:
+            return
+        task = asyncio.get_running_loop().create_task(_finish(coro, waiting))
+        conn.inflight.add(task)
+        task.add_done_callback(lambda t: self._call_done(conn, t))
+        if type(msg) is p.Hello:
+            conn.last_hello = task
+
+    def _handshake(self, conn: Connection, msg: p.Request) -> bool:
+        if type(msg) is not p.Hello:
+            self._refuse(conn, msg.id, p.ErrorCode.HELLO_REQUIRED, "the first call must be hello")
+            return False
+        if msg.version != p.PROTOCOL_VERSION:
+            self._refuse(
+                conn,
+                msg.id,
+                p.ErrorCode.VERSION,
+                f"protocol version {msg.version} not supported; this service speaks {p.PROTOCOL_VERSION}",
+            )
+            return False
+        # Constant time, on bytes: compare_digest refuses non-ASCII str.
+        if self._token and not hmac.compare_digest(msg.token.encode(), self._token):
+            self._refuse(conn, msg.id, p.ErrorCode.AUTH, "missing or wrong auth token")
+            return False
+        conn.authed = True
+        return True
+
+    def _refuse(self, conn: Connection, req_id: int, code: str, message: str) -> None:
+        conn.send(self._encoder.encode(p.ErrorReply(id=req_id, code=code, message=message)))
+        conn.abort_protocol(code, message)
+
+    def _call_done(self, conn: Connection, task: asyncio.Task[None]) -> None:
+        conn.inflight.discard(task)
+        if not conn.inflight and conn in self._closing:
+            self._start_cleanup(conn)
+
+    async def _serve(self, conn: Connection, msg: Any) -> None:
+        kind = type(msg)
+        name = kind.__name__.lower()
+        calls = self.metrics.calls
+        calls[name] = calls.get(name, 0) + 1
+        try:
+            if self.draining:
+                raise CallError(p.ErrorCode.SHUTTING_DOWN, "the service is shutting down")
+            hello = conn.last_hello
+            if hello is not None and kind is not p.Hello and not hello.done():
+                # A namespace registered earlier on this connection must exist before later calls.
+                await asyncio.wait([hello])
+            reply = await self._handlers[kind](conn, msg)
+        except CallError as exc:
+            reply = self._error(name, msg.id, exc.code, str(exc))
+        except UnknownNamespaceError as exc:
+            reply = self._error(name, msg.id, p.ErrorCode.UNKNOWN_NAMESPACE, str(exc))
+        except ArenaFullError as exc:
+            reply = self._error(name, msg.id, p.ErrorCode.ARENA_FULL, str(exc))
+        except (ValueError, TypeError, SlotStateError) as exc:
+            log.debug("bad request %s", name, exc_info=True)
+            reply = self._error(name, msg.id, p.ErrorCode.BAD_REQUEST, str(exc))
+        except StorageError as exc:
+            log.warning("storage error in %s: %s", name, exc, extra={"peer": conn.peer})
+            reply = self._error(name, msg.id, p.ErrorCode.INTERNAL, str(exc))
+        except Exception as exc:
+            log.exception("internal error in %s", name, extra={"peer": conn.peer})
+            reply = self._error(name, msg.id, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        try:
+            frame = self._encoder.encode(reply)
+        except p.ProtocolError as exc:  # a reply over the frame limit
+            frame = self._encoder.encode(self._error(name, msg.id, p.ErrorCode.INTERNAL, str(exc)))
+        conn.send(frame)
+
+    def _error(self, call: str, req_id: int, code: str, message: str) -> p.ErrorReply:
+        self.metrics.count_call_error(call, code)
+        return p.ErrorReply(id=req_id, code=code, message=message)
+
+    # --------------------------------------------------------------------------- handlers
+    async def _hello(self, conn: Connection, msg: p.Hello) -> p.Reply:
+        arena = self.store.arena_info()
+        namespace, chunk_bytes = "", 0
+        if msg.spec is not None:
+            spec: NamespaceSpec = msg.spec
+            namespace = await self.store.register(spec)
+            self._chunk_tokens[namespace] = spec.chunk_size
+            chunk_bytes = spec.chunk_bytes
+        return p.HelloReply(
+            id=msg.id,
+            version=p.PROTOCOL_VERSION,
+            instance_id=self.instance_id,
+            arena_path=arena.path,
+            arena_size=arena.size,
+            namespace=namespace,
+            chunk_bytes=chunk_bytes,
+        )
+
+    async def _lookup(self, conn: Connection, msg: p.Lookup) -> p.Reply:
+        start = time.perf_counter()
+        result = await self.store.lookup(msg.namespace, msg.hashes, msg.lease_id)
+        if result.num_hit:
+            self._own_lease(conn, msg.lease_id)
+        else:  # the store holds no lease for a miss (it dropped any earlier one)
+            self._disown_lease(msg.lease_id)
+        self.metrics.count_hits(result.tiers, self._chunk_tokens.get(msg.namespace, 0))
+        reply = p.LookupReply(
+            id=msg.id,
+            num_hit=result.num_hit,
+            tiers=result.tiers,
+            slots=p.slot_tuples(result.slots),
+            instance_id=self.instance_id,
+        )
+        self.metrics.observe("lookup", time.perf_counter() - start)
+        return reply
+
+    async def _stage(self, conn: Connection, msg: p.Stage) -> p.Reply:
+        start = time.perf_counter()
+        result = await self.store.stage(msg.lease_id)
+        reply = p.StageReply(
+            id=msg.id,
+            slots=p.slot_tuples(result.slots),
+            tiers=result.tiers,
+            failed=result.failed,
+            instance_id=self.instance_id,
+        )
+        self.metrics.observe("stage", time.perf_counter() - start)
+        return reply
+
+    async def _release(self, conn: Connection, msg: p.Release) -> p.Reply:
+        await self.store.release(msg.lease_id)
+        self._disown_lease(msg.lease_id)
+        return p.OkReply(id=msg.id)
+
+    def _disown_lease(self, lease_id: str) -> None:
+        entry = self._leases.pop(lease_id, None)
+        if entry is not None:
+            entry[0].leases.discard(lease_id)
+
+    async def _reserve(self, conn: Connection, msg: p.Reserve) -> p.Reply:
+        start = time.perf_counter()
+        slots = await self.store.reserve(msg.namespace, msg.hashes)
+        owned = self._slots
+        for ref in slots:
+            if ref is not None:
+                owned[ref.offset] = (ref, conn)
+                conn.slots.add(ref.offset)
+        self.metrics.observe("reserve", time.perf_counter() - start)
+        return p.ReserveReply(id=msg.id, slots=p.slot_tuples(slots), instance_id=self.instance_id)
+
+    async def _commit(self, conn: Connection, msg: p.Commit) -> p.Reply:
+        start = time.perf_counter()
+        self._check_instance(msg.instance_id)
+        if len(msg.hashes) != len(msg.slots):
+            raise CallError(p.ErrorCode.BAD_REQUEST, "commit needs one slot per hash")
+        pairs = [(h, ref) for h, s in zip(msg.hashes, msg.slots, strict=True) if (ref := self._owned(s))]
+        if pairs:
+            slots = [ref for _, ref in pairs]
+            await self.store.commit(msg.namespace, [h for h, _ in pairs], slots)
+            self._disown(slots)  # only now: a refused commit leaves them owned
+        self.metrics.observe("commit", time.perf_counter() - start)
+        if len(pairs) != len(msg.slots):
+            raise CallError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{len(msg.slots) - len(pairs)} of {len(msg.slots)} slots were not reserved "
+                "(already committed or aborted, or their connection closed); the others were "
+                "committed",
+            )
+        return p.OkReply(id=msg.id)
+
+    async def _abort(self, conn: Connection, msg: p.Abort) -> p.Reply:
+        self._check_instance(msg.instance_id)
+        unique = {ref.offset: ref for s in msg.slots if (ref := self._owned(s))}
+        if unique:
+            slots = list(unique.values())
+            await self.store.abort(slots)
+            self._disown(slots)
+        return p.OkReply(id=msg.id)
+
+    def _owned(self, slot: p.Slot) -> SlotRef | None:
+        """The reserved SlotRef a wire slot names, unless committed or aborted since (or unknown)."""
+        entry = self._slots.get(slot[0])
+        return entry[0] if entry is not None and entry[0].length == slot[1] else None
+
+    def _disown(self, slots: list[SlotRef]) -> None:
+        for slot in slots:
+            entry = self._slots.pop(slot.offset, None)
+            if entry is not None:
+                entry[1].slots.discard(slot.offset)
+
+    async def _delete(self, conn: Connection, msg: p.Delete) -> p.Reply:
+        return p.CountReply(id=msg.id, count=await self.store.delete(msg.namespace, msg.hashes))
+
+    async def _clear(self, conn: Connection, msg: p.Clear) -> p.Reply:
+        try:
+            tiers = [Tier(t) for t in msg.tiers] if msg.tiers else list(Tier)
+        except ValueError as exc:
+            raise CallError(p.ErrorCode.BAD_REQUEST, f"unknown tier: {exc}") from None
+        return p.CountReply(id=msg.id, count=await self.store.clear(tiers))
+
+    async def _stats(self, conn: Connection, msg: p.Stats) -> p.Reply:
+        return p.StatsReply(id=msg.id, stats=self.stats())
+
+    async def _health(self, conn: Connection, msg: p.Health) -> p.Reply:
+        serving, tiers = self.health()
+        return p.HealthReply(id=msg.id, serving=serving, instance_id=self.instance_id, tiers=tiers)
+
+    # --------------------------------------------------------------------------- state
+    def stats(self) -> dict[str, Any]:
+        """The `kvtier stats --json` object."""
+        return stats_dict(self.store.stats(), self.metrics, self.instance_id)
+
+    def health(self) -> tuple[bool, dict[str, bool]]:
+        """(can serve, healthy by tier): serving needs a healthy CPU tier and no shutdown."""
+        try:
+            tiers = {name: t.healthy for name, t in self.store.stats().tiers.items()}
+        except Exception:
+            log.exception("store stats failed")
+            return False, {}
+        return (not self.draining and tiers.get(Tier.CPU.label, True)), tiers
+
+    def _check_instance(self, instance_id: str) -> None:
+        if instance_id and instance_id != self.instance_id:
+            raise CallError(
+                p.ErrorCode.STALE_INSTANCE,
+                f"slots of service instance {instance_id} are void: this is {self.instance_id}",
+            )
+
+    def _own_lease(self, conn: Connection, lease_id: str) -> None:
+        """Record conn as the lease's owner, and forget leases the store has expired by now."""
+        now = self._clock()
+        previous = self._leases.pop(lease_id, None)
+        if previous is not None and previous[0] is not conn:
+            previous[0].leases.discard(lease_id)
+        self._leases[lease_id] = (conn, now + self._lease_ttl)
+        conn.leases.add(lease_id)
+        leases = self._leases
+        while leases:
+            first = next(iter(leases))
+            owner, expires = leases[first]
+            if expires > now:
+                break
+            del leases[first]
+            owner.leases.discard(first)
+
+    def owned(self) -> tuple[int, int]:
+        """(leases, reserved slots) the service tracks on behalf of connections."""
+        return len(self._leases), len(self._slots)
+
+    # --------------------------------------------------------------------------- shutdown
+    async def drain(self, grace: float) -> None:
+        """Refuse new calls, let in-flight ones finish within grace, cancel the rest, disconnect."""
+        self.draining = True
+        pending = [t for c in list(self.connections) for t in c.inflight]
+        if pending:
+            _done, late = await asyncio.wait(pending, timeout=grace)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=1.0)
+        for conn in list(self.connections):
+            conn.close()
+        # connection_lost runs on the next loop iterations; then cleanups release what they held.
+        try:
+            await asyncio.wait_for(self.wait_idle(), timeout=max(grace, 1.0))
+        except TimeoutError:
+            log.warning("connections still closing after %.1fs", grace)
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, None], waiting: Any) -> Generator[Any, Any, None]:
+    """Drive a coroutine that already ran up to its first suspension (``waiting`` is what it
+    yielded) to its end, forwarding what the Task sends or throws in, cancellation included."""
+    while True:
+        try:
+            value = yield waiting
+        except BaseException as exc:
+            try:
+                waiting = coro.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                waiting = coro.send(value)
+            except StopIteration:
+                return
+
+
+async def _finish(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
+    await _resume(coro, waiting)

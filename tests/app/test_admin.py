@@ -1,0 +1,121 @@
+"""Admin HTTP: /health (200 and 503), /metrics (Prometheus text), /stats; no secrets anywhere."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.client import ServiceClient
+from tests.app import SPEC, hashes, thread_service
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+
+TOKEN = "admin-test-secret-token"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers["Content-Type"], err.read().decode()
+
+
+def _exercise(url: str) -> dict[str, Any]:
+    with ServiceClient(url, TOKEN) as client:
+        ns = client.hello(SPEC).result(5).namespace
+        keys = hashes(4)
+        got = client.reserve(ns, keys).result(5)
+        client.commit(ns, keys, got.slots).result(5)
+        client.lookup(ns, keys, "r").result(5)
+        client.lookup(ns, hashes(2, "miss"), "r2").result(5)
+        client.stage("r").result(5)
+        client.release("r").result(5)
+        stats: dict[str, Any] = client.stats().result(5)
+        return stats
+
+
+@pytest.fixture
+def admin(tmp_path: Path) -> Any:
+    port = _free_port()
+    with thread_service(tmp_path, admin_port=str(port), auth_token=TOKEN) as svc:
+        yield svc, port
+
+
+def test_health_is_200_with_tier_states_then_503_while_draining(admin: Any) -> None:
+    svc, port = admin
+    status, ctype, body = _get(port, "/health")
+    assert status == 200 and ctype == "application/json"
+    data = json.loads(body)
+    assert data["serving"] and data["tiers"] == {"cpu": "up"}
+    svc.call(lambda: setattr(svc.service, "draining", True))
+    status, _, body = _get(port, "/health")
+    assert status == 503 and json.loads(body)["serving"] is False
+    svc.call(lambda: setattr(svc.service, "draining", False))
+
+
+def test_metrics_parse_and_cover_the_required_families(admin: Any) -> None:
+    svc, port = admin
+    _exercise(svc.url)
+    status, ctype, body = _get(port, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for name in (
+        "kvtier_lookups",
+        "kvtier_hit_chunks",
+        "kvtier_hit_tokens",
+        "kvtier_tier_read_bytes",
+        "kvtier_tier_written_bytes",
+        "kvtier_tier_evictions",
+        "kvtier_tier_errors",
+        "kvtier_leases_active",
+        "kvtier_slots_in_use",
+        "kvtier_write_queue_depth",
+        "kvtier_lookup_seconds",
+        "kvtier_stage_seconds",
+        "kvtier_commit_seconds",
+    ):
+        assert name in families, name
+    lookups = families["kvtier_lookups"].samples[0].value
+    assert lookups == 2
+    hits = {s.labels["tier"]: s.value for s in families["kvtier_hit_chunks"].samples}
+    assert hits["cpu"] == 4
+    tokens = {s.labels["tier"]: s.value for s in families["kvtier_hit_tokens"].samples}
+    assert tokens["cpu"] == 4 * SPEC.chunk_size
+    counts = [s for s in families["kvtier_lookup_seconds"].samples if s.name.endswith("_count")]
+    assert counts[0].value == 2
+    assert TOKEN not in body
+
+
+def test_stats_matches_the_stats_call_and_hides_secrets(admin: Any) -> None:
+    svc, port = admin
+    via_call = _exercise(svc.url)
+    status, _, body = _get(port, "/stats")
+    assert status == 200
+    data = json.loads(body)
+    assert set(data) == set(via_call)
+    assert data["tiers"]["cpu"]["chunks"] == via_call["tiers"]["cpu"]["chunks"] == 4
+    assert {"leases_active", "slots_in_use"} <= set(data)
+    for path in ("/stats", "/health", "/metrics"):
+        assert TOKEN not in _get(port, path)[2]
+
+
+def test_unknown_path_and_method(admin: Any) -> None:
+    _svc, port = admin
+    assert _get(port, "/nope")[0] == 404
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/stats", method="POST", data=b"x")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=5)
+    assert err.value.code == 405

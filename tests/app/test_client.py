@@ -1,0 +1,207 @@
+"""ServiceClient: futures from any thread, fail-fast while down, reconnect, timeouts, close."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app import protocol as p
+from app.client import (
+    CallTimeout,
+    ClientClosed,
+    ConstantBackoff,
+    HelloReply,
+    ServiceClient,
+    ServiceUnavailable,
+    StaleInstance,
+)
+from storage.base import LookupResult, SlotRef, Tier
+from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+
+FAST = ConstantBackoff(0.02)
+
+
+def test_full_api_against_a_service(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        hello = client.hello(SPEC).result(5)
+        assert isinstance(hello, HelloReply) and hello.chunk_bytes == SPEC.chunk_bytes
+        assert hello.arena_path.startswith(str(tmp_path)) and hello.arena_size == 4 << 20
+        assert client.instance_id == hello.instance_id and client.arena == hello.arena
+        ns, keys = hello.namespace, hashes(4)
+        miss = client.lookup(ns, keys, "r1").result(5)
+        assert miss.result == LookupResult(0, [], []) and miss.instance_id == hello.instance_id
+        got = client.reserve(ns, keys).result(5)
+        assert all(isinstance(s, SlotRef) for s in got.slots)
+        assert client.commit(ns, keys, got.slots, got.instance_id).result(5) is None
+        hit = client.lookup(ns, keys, "r1").result(5).result
+        assert hit.num_hit == 4 and hit.tiers == [Tier.CPU] * 4 and hit.slots == got.slots
+        staged = client.stage("r1").result(5).result
+        assert staged.slots == got.slots and staged.failed == []
+        assert client.release("r1").result(5) is None
+        spare = client.reserve(ns, hashes(2, "spare")).result(5)
+        assert client.abort(spare.slots, spare.instance_id).result(5) is None
+        assert client.delete(ns, keys[:1]).result(5) == 1
+        assert client.clear([Tier.CPU]).result(5) == 3
+        health = client.health().result(5)
+        assert health.serving and health.tiers == {"cpu": True}
+        stats = client.stats().result(5)
+        assert set(stats["tiers"]["cpu"]) >= {"chunks", "bytes", "hits", "stores", "evictions", "errors"}
+        assert stats["leases_active"] == 0 and stats["slots_in_use"] == 0
+
+
+def test_fails_fast_while_the_service_is_unreachable(tmp_path: Path) -> None:
+    with ServiceClient(f"unix://{tmp_path}/none.sock", backoff=ConstantBackoff(0.5)) as client:
+        with pytest.raises(ServiceUnavailable):  # the first connect attempt fails at once
+            client.health().result(2)
+        for _ in range(20):
+            start = time.perf_counter()
+            future = client.lookup("ns", hashes(2), "l")
+            assert future.done() and time.perf_counter() - start < 0.05
+            assert isinstance(future.exception(), ServiceUnavailable)
+
+
+def test_reconnects_and_registers_namespaces_again(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    url = f"unix://{tmp_path}/svc.sock"
+    seen: list[HelloReply] = []
+    first = ThreadService(url, settings).start()
+    try:
+        with ServiceClient(url, backoff=FAST, on_connect=seen.append) as client:
+            hello = client.hello(SPEC).result(5)
+            keys = hashes(2)
+            got = client.reserve(hello.namespace, keys).result(5)
+            first.stop()
+            assert wait_until(lambda: not client.connected, 5)
+            with pytest.raises(ServiceUnavailable):
+                client.stats().result(1)
+            second = ThreadService(url, settings).start()
+            try:
+                assert client.wait_connected(5)
+                assert client.instance_id != hello.instance_id == seen[0].instance_id
+                assert seen[-1].instance_id == client.instance_id
+                # The namespace is known again without another hello from the caller.
+                assert client.lookup(hello.namespace, keys, "l").result(5).result.num_hit == 0
+                with pytest.raises(StaleInstance):  # slots of the old instance are void
+                    client.commit(hello.namespace, keys, got.slots, got.instance_id).result(5)
+            finally:
+                second.stop()
+    finally:
+        first.stop()
+
+
+def _silent_server(path: str, stop: threading.Event) -> None:
+    """Answers hello, never anything else."""
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()
+    srv.settimeout(0.05)
+    conns = []
+    enc, dec = p.FrameEncoder(), p.request_decoder()
+    try:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+                conn.settimeout(0.05)
+                conns.append(conn)
+            except TimeoutError:
+                pass
+            for conn in conns:
+                try:
+                    data = conn.recv(65536)
+                except TimeoutError:
+                    continue
+                for msg in dec.feed(data):
+                    if isinstance(msg, p.Hello):
+                        conn.sendall(
+                            enc.encode(
+                                p.HelloReply(
+                                    id=msg.id, version=1, instance_id="x", arena_path="", arena_size=0
+                                )
+                            )
+                        )
+    finally:
+        for conn in conns:
+            conn.close()
+        srv.close()
+        Path(path).unlink(missing_ok=True)
+
+
+def test_every_call_has_a_timeout(tmp_path: Path) -> None:
+    path = str(tmp_path / "silent.sock")
+    stop = threading.Event()
+    server = threading.Thread(target=_silent_server, args=(path, stop), daemon=True)
+    server.start()
+    try:
+        wait_until(lambda: Path(path).exists(), 5)
+        with ServiceClient(f"unix://{path}", timeout=0.2) as client:
+            assert client.wait_connected(5)
+            start = time.monotonic()
+            with pytest.raises(CallTimeout):
+                client.stats().result(5)
+            assert 0.15 < time.monotonic() - start < 2.0
+            with pytest.raises(CallTimeout):
+                client.lookup("ns", hashes(1), "l", timeout=0.05).result(5)
+    finally:
+        stop.set()
+        server.join(5)
+
+
+def test_close_is_idempotent_and_fails_later_calls(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        client = ServiceClient(svc.url)
+        assert client.wait_connected(5)
+        thread = client._thread
+        client.close()
+        client.close()
+        assert not thread.is_alive()
+        with pytest.raises(ClientClosed):
+            client.health().result(1)
+
+
+def test_on_unavailable_hook_can_bring_the_service_back(tmp_path: Path) -> None:
+    url = f"unix://{tmp_path}/svc.sock"
+    started: list[ThreadService] = []
+
+    def respawn() -> None:
+        if not started:
+            started.append(ThreadService(url, settings_for(tmp_path)).start())
+
+    try:
+        with ServiceClient(url, backoff=FAST, on_unavailable=respawn) as client:
+            assert client.wait_connected(10)
+            assert client.health().result(5).serving
+        assert len(started) == 1
+    finally:
+        for svc in started:
+            svc.stop()
+
+
+def test_thread_safe_calls_from_many_threads(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns = client.hello(SPEC).result(5).namespace
+        keys = hashes(8)
+        got = client.reserve(ns, keys).result(5)
+        client.commit(ns, keys, got.slots).result(5)
+        failures: list[BaseException] = []
+
+        def hammer(n: int) -> None:
+            try:
+                futures = [client.lookup(ns, keys, f"t{n}-{i}") for i in range(100)]
+                assert all(f.result(10).result.num_hit == 8 for f in futures)
+                for i in range(100):
+                    client.release(f"t{n}-{i}").result(10)
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=hammer, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not failures, failures[:2]
+        assert client.stats().result(5)["leases_active"] == 0

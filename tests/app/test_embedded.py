@@ -1,0 +1,137 @@
+"""Embedded mode: spawn, discovery by another process, restart after kill -9, exit with the parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
+from app.embedded import ensure_service, paths_for, respawner, service_env
+from tests.app import ROOT, SPEC, hashes, python_env, settings_for, wait_until
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+
+# Prints the URL and the service's pid, then keeps the engine process alive until stdin closes.
+ENGINE = """
+import json, sys
+from app.embedded import ensure_service, paths_for
+from app.settings import load_settings
+url = ensure_service(load_settings(), sys.argv[1])
+state = json.loads(paths_for(sys.argv[1])[2].read_text())
+print(json.dumps({"url": url, "pid": state["pid"], "arena": state["arena"]}), flush=True)
+sys.stdin.read()
+"""
+
+
+def _engine(tmp: Path, engine_id: str) -> subprocess.Popen[str]:
+    env = python_env(KVTIER_SHM_DIR=str(tmp), KVTIER_CPU_SIZE="4MiB", KVTIER_LOG_LEVEL="WARNING")
+    return subprocess.Popen(
+        [sys.executable, "-c", ENGINE, engine_id],
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _stop_service(state: Path) -> None:
+    try:
+        pid = json.loads(state.read_text())["pid"]
+    except (OSError, ValueError):
+        return
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not _alive(pid), 15)
+
+
+def test_settings_reach_the_child_through_the_environment(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path, auth_token="tok", disk_fsync="true")
+    env = service_env(settings, {"KVTIER_NOPE": "x", "PATH": "/bin"})
+    assert "KVTIER_NOPE" not in env and env["PATH"] == "/bin"
+    assert env["KVTIER_CPU_SIZE"] == str(4 << 20) and env["KVTIER_DISK_FSYNC"] == "true"
+    assert env["KVTIER_AUTH_TOKEN"] == "tok" and "KVTIER_SERVICE_URL" not in env
+    sock, _, _ = paths_for("x" * 4000)
+    assert len(str(sock)) < 108
+
+
+def test_spawn_discovery_and_restart_after_kill9(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    engine_id = f"engine-{uuid.uuid4()}"
+    sock, _lock, state = paths_for(engine_id)
+    try:
+        url = ensure_service(settings, engine_id)
+        first = json.loads(state.read_text())
+        # Another process of the same engine finds the running service instead of starting one.
+        other = _engine(tmp_path, engine_id)
+        found = json.loads(other.stdout.readline())  # type: ignore[union-attr]
+        other.communicate("", timeout=10)
+        assert (found["url"], found["pid"]) == (url, first["pid"])
+        client = ServiceClient(
+            url, on_unavailable=respawner(settings, engine_id), backoff=ConstantBackoff(0.05)
+        )
+        with client:
+            hello = client.hello(SPEC).result(5)
+            os.kill(first["pid"], signal.SIGKILL)
+            assert wait_until(lambda: not _alive(first["pid"]), 5)
+            future = client.health()
+            assert isinstance(future.exception(5), ServiceUnavailable)
+            assert wait_until(lambda: client.connected and client.instance_id != hello.instance_id, 20)
+            second = json.loads(state.read_text())
+            assert second["pid"] != first["pid"] and _alive(second["pid"])
+            assert not Path(first["arena"]).exists()  # the dead service's arena was removed
+            keys = hashes(2)
+            assert client.lookup(hello.namespace, keys, "l").result(5).result.num_hit == 0
+    finally:
+        _stop_service(state)
+    assert not sock.exists() and not state.exists()
+
+
+def test_concurrent_engine_processes_start_exactly_one_service(tmp_path: Path) -> None:
+    engine_id = f"engine-{uuid.uuid4()}"
+    engines = [_engine(tmp_path, engine_id) for _ in range(3)]
+    try:
+        infos = [json.loads(e.stdout.readline()) for e in engines]  # type: ignore[union-attr]
+        assert len({(i["url"], i["pid"]) for i in infos}) == 1
+        pid = infos[0]["pid"]
+    finally:
+        for e in engines:
+            e.communicate("", timeout=10)
+    # Every engine process is gone and none was connected: the service exits and cleans up.
+    assert wait_until(lambda: not _alive(pid), 15)
+    assert not Path(infos[0]["arena"]).exists()
+
+
+def test_service_exits_when_the_parent_dies_and_the_last_client_leaves(tmp_path: Path) -> None:
+    engine_id = f"engine-{uuid.uuid4()}"
+    parent = _engine(tmp_path, engine_id)
+    info = json.loads(parent.stdout.readline())  # type: ignore[union-attr]
+    sock, _, state = paths_for(engine_id)
+    try:
+        with ServiceClient(info["url"]) as client:
+            assert client.health().result(5).serving
+            parent.kill()
+            parent.wait(10)
+            # Another process of the engine is still connected: the service stays.
+            assert not wait_until(lambda: not _alive(info["pid"]), 1.0)
+            assert client.health().result(5).serving
+        assert wait_until(lambda: not _alive(info["pid"]), 10)
+        assert wait_until(lambda: not sock.exists() and not state.exists(), 5)
+        assert not Path(info["arena"]).exists()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        _stop_service(state)

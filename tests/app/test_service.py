@@ -1,0 +1,193 @@
+"""The service over real sockets: handshake, auth, bad frames, pipelining, and ownership cleanup."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+
+from app import protocol as p
+from app.address import parse_url
+from app.client import ServiceClient
+from app.server import ServeError, check_bind
+from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_socket_is_owner_only_and_first_call_must_be_hello(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        assert (Path(svc.url.removeprefix("unix://")).stat().st_mode & 0o777) == 0o600
+        arena = svc.call(lambda: svc.service.store.arena_info().path)
+        assert (Path(arena).stat().st_mode & 0o777) == 0o600
+        conn = RawConn(svc.url)
+        reply = conn.call(p.Stats(id=1))
+        assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.HELLO_REQUIRED
+        assert conn.closed_by_peer()
+        conn.close()
+
+
+def test_version_mismatch_is_refused(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        reply = conn.call(p.Hello(id=1, version=p.PROTOCOL_VERSION + 1))
+        assert reply.code == p.ErrorCode.VERSION and conn.closed_by_peer()
+        conn.close()
+
+
+def test_calls_pipeline_on_one_connection(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        ns = conn.hello(spec=SPEC).namespace
+        keys = hashes(8)
+        reserved = conn.call(p.Reserve(id=10, namespace=ns, hashes=keys))
+        assert conn.call(p.Commit(id=11, namespace=ns, hashes=keys, slots=reserved.slots)) == p.OkReply(id=11)
+        ids = list(range(100, 140))
+        for i in ids:  # all sent before any reply is read
+            conn.send(p.Lookup(id=i, namespace=ns, hashes=keys, lease_id=f"l{i}"))
+        replies = [conn.recv() for _ in ids]
+        assert sorted(r.id for r in replies) == ids
+        assert all(r.num_hit == 8 for r in replies)
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1",  # malformed msgpack
+        struct.pack(">I", p.MAX_FRAME_BYTES + 1),  # oversized header, no body needed
+    ],
+    ids=["malformed", "oversized"],
+)
+def test_bad_frame_closes_only_that_connection(tmp_path: Path, garbage: bytes) -> None:
+    with thread_service(tmp_path) as svc:
+        good, bad = RawConn(svc.url), RawConn(svc.url)
+        good.hello()
+        bad.hello()
+        bad.sock.sendall(garbage)
+        assert bad.closed_by_peer()
+        assert isinstance(good.call(p.Health(id=7)), p.HealthReply)
+        kinds = svc.call(lambda: dict(svc.service.metrics.protocol_errors))
+        assert sum(kinds.values()) == 1
+        good.close()
+        bad.close()
+
+
+def test_tcp_auth_token_required_and_compared_in_constant_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import app.service
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = app.service.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app.service.hmac, "compare_digest", spy)
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    with thread_service(tmp_path, url=url, auth_token="tok-Ünïcode-42") as svc:
+        for token in ("", "wrong", "tok-Ünïcode-4"):
+            conn = RawConn(url)
+            reply = conn.hello(token=token)
+            assert reply.code == p.ErrorCode.AUTH and conn.closed_by_peer()
+            assert "tok-" not in reply.message
+            conn.close()
+        with ServiceClient(url, "tok-Ünïcode-42") as client:
+            assert client.health().result(5).serving
+        assert compared and all(isinstance(a, bytes) for a, _ in compared)
+        assert svc.service is not None
+
+
+def test_non_loopback_tcp_requires_a_token(tmp_path: Path) -> None:
+    with pytest.raises(ServeError, match="KVTIER_AUTH_TOKEN"):
+        check_bind(parse_url("tcp://0.0.0.0:7711"), settings_for(tmp_path))
+    check_bind(parse_url("tcp://0.0.0.0:7711"), settings_for(tmp_path, auth_token="t0ken"))
+    check_bind(parse_url("tcp://127.0.0.1:7711"), settings_for(tmp_path))
+    check_bind(parse_url("tcp://[::1]:7711"), settings_for(tmp_path))
+
+
+def test_dropped_connection_releases_its_leases_and_slots(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        ns = conn.hello(spec=SPEC).namespace
+        stored = hashes(4, "stored")
+        got = conn.call(p.Reserve(id=2, namespace=ns, hashes=stored))
+        conn.call(p.Commit(id=3, namespace=ns, hashes=stored, slots=got.slots))
+        assert conn.call(p.Lookup(id=4, namespace=ns, hashes=stored, lease_id="r1")).num_hit == 4
+        pending = conn.call(p.Reserve(id=5, namespace=ns, hashes=hashes(3, "pending")))
+        assert all(pending.slots)
+        stats = svc.call(lambda: svc.service.stats())
+        assert (stats["leases_active"], stats["slots_in_use"]) == (1, 7)
+        conn.close()
+        stats = svc.wait_for(
+            lambda: (s := svc.service.stats())["leases_active"] == 0 and s["slots_in_use"] == 4 and s
+        )
+        assert stats and stats["tiers"]["cpu"]["chunks"] == 4
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+
+
+def test_commit_checks_instance_and_reservation(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        hello = conn.hello(spec=SPEC)
+        keys = hashes(2)
+        slots = conn.call(p.Reserve(id=2, namespace=hello.namespace, hashes=keys)).slots
+        stale = conn.call(
+            p.Commit(id=3, namespace=hello.namespace, hashes=keys, slots=slots, instance_id="not-this-one")
+        )
+        assert stale.code == p.ErrorCode.STALE_INSTANCE
+        bogus = [(1 << 30, 2048), slots[1]]
+        reply = conn.call(
+            p.Commit(id=4, namespace=hello.namespace, hashes=keys, slots=bogus, instance_id=hello.instance_id)
+        )
+        assert reply.code == p.ErrorCode.BAD_REQUEST and "1 of 2" in reply.message
+        assert conn.call(p.Abort(id=5, slots=slots)) == p.OkReply(id=5)  # the unreserved one: no-op
+        unknown = conn.call(p.Lookup(id=6, namespace="feedfacefeedface", hashes=keys, lease_id="x"))
+        assert unknown.code == p.ErrorCode.UNKNOWN_NAMESPACE
+        assert svc.call(lambda: svc.service.stats()["slots_in_use"]) == 1
+        conn.close()
+
+
+def test_many_concurrent_clients(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with thread_service(tmp_path, cpu_size="16MiB") as svc:
+
+        def client_run(n: int) -> None:
+            try:
+                with ServiceClient(svc.url) as client:
+                    ns = client.hello(SPEC).result(10).namespace
+                    keys = hashes(16, f"c{n}")
+                    for _ in range(5):
+                        got = client.reserve(ns, keys).result(10)
+                        ready = [(h, s) for h, s in zip(keys, got.slots, strict=True) if s]
+                        if ready:
+                            client.commit(
+                                ns, [h for h, _ in ready], [s for _, s in ready], got.instance_id
+                            ).result(10)
+                        futures = [client.lookup(ns, keys, f"c{n}-{i}") for i in range(10)]
+                        assert all(f.result(10).result.num_hit == 16 for f in futures)
+                        for i in range(10):
+                            client.release(f"c{n}-{i}")
+                    client.release("flush").result(10)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client_run, args=(n,)) for n in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        stats = svc.wait_for(lambda: (s := svc.service.stats())["connections"] == 0 and s)
+        assert stats["leases_active"] == 0
+        assert stats["tiers"]["cpu"]["chunks"] == 16 * 16 == stats["slots_in_use"]
