@@ -302,7 +302,8 @@ class ServiceClient:
             if on_loop:
                 self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
             else:
-                self._loop.call_soon_threadsafe(self._loop.call_later, SWEEP_PERIOD_S, self._sweep)
+                with contextlib.suppress(RuntimeError):  # loop closed by close() meanwhile
+                    self._loop.call_soon_threadsafe(self._loop.call_later, SWEEP_PERIOD_S, self._sweep)
         return None
 
     def _unavailable(self, reason: str = "") -> ServiceUnavailable:
@@ -434,11 +435,14 @@ class ServiceClient:
             log.warning("on_unavailable hook failed: %s", exc)
 
     async def _connect_once(self) -> bool:
-        """One connect + handshake + re-registration; True when ready, else the state is down."""
+        """One connect + handshake + re-registration; True when ready, else the state is down.
+
+        Calls made during the very first attempt wait for it (queued, each with its timeout);
+        during later attempts the state stays down, so calls keep failing fast until one succeeds.
+        """
         with self._lock:
             if self._state == _CLOSED:
                 return False
-            self._state = _CONNECTING
         try:
             channel = await asyncio.wait_for(self._open(), self._connect_timeout)
         except (OSError, TimeoutError) as exc:

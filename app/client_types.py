@@ -50,6 +50,7 @@ class AuthFailed(RemoteError):
 
 
 def remote_error(reply: p.ErrorReply) -> RemoteError:
+    """The typed exception for an ErrorReply."""
     if reply.code == p.ErrorCode.STALE_INSTANCE:
         return StaleInstance(reply.code, reply.message)
     if reply.code in (p.ErrorCode.AUTH, p.ErrorCode.VERSION):

@@ -207,6 +207,29 @@ def clean_stale(sock: Path, state: Path, token: str = "") -> bool:
     return False
 
 
+def sweep_dead(directory: Path) -> int:
+    """Remove the files of every dead embedded service in directory (other engines' included).
+
+    Engine ids are new for every engine, so a service that died hard leaves files nobody would
+    ever reuse; each start of a service clears them. Returns how many services were swept.
+    """
+    swept = 0
+    for state in directory.glob("e-*.json"):
+        try:
+            data = json.loads(state.read_text())
+            pid = int(data.get("pid", 0) or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+        if pid and _pid_alive(pid) and _maybe_service(pid):
+            continue  # alive, or starting (it writes its state before it listens)
+        if data.get("arena"):
+            _remove_unlocked_arena(str(data["arena"]))
+        state.with_suffix(".sock").unlink(missing_ok=True)
+        state.unlink(missing_ok=True)
+        swept += 1
+    return swept
+
+
 def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
@@ -260,6 +283,7 @@ def ensure_service(
             return url
         if clean_stale(sock, state, token):
             return url
+        sweep_dead(sock.parent)
         log.info("starting the embedded kvtier service", extra={"url": url})
         proc = _spawn(settings, sock, state)
         _wait_ready(proc, sock, token, startup_timeout)
@@ -275,6 +299,7 @@ def respawner(settings: KVTierSettings, engine_id: str) -> Callable[[], None]:
     guard = threading.Lock()
 
     def hook() -> None:
+        """Restart the service if it is gone (runs on the client's executor thread)."""
         with guard:
             wait = last[0] + _MIN_RESPAWN_INTERVAL_S - time.monotonic()
             if wait > 0:

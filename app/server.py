@@ -21,6 +21,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.address import Address, parse_url, resolve_url
 from app.logs import secrets_of, setup_logging
@@ -28,6 +29,9 @@ from app.loops import new_event_loop
 from app.service import Connection, Service
 from app.settings import KVTierSettings, SettingsError, load_settings
 from storage.base import StorageError, StoreAPI
+
+if TYPE_CHECKING:
+    from app.admin import AdminServer
 
 log = logging.getLogger("kvtier.server")
 
@@ -200,7 +204,7 @@ async def run_service(
     service: Service | None = None
     server: asyncio.Server | None = None
     inode = 0
-    admin = None
+    admin: AdminServer | None = None
     try:
         service = Service(store, auth_token=settings.auth_token, lease_ttl=settings.lease_ttl)
         arena = store.arena_info()
@@ -208,10 +212,7 @@ async def run_service(
             _write_state(options.state_file, {"pid": os.getpid(), "url": options.url, "arena": arena.path})
         server, inode = await listen(service, address)
         if settings.admin_port:
-            from app.admin import AdminServer
-
-            admin = AdminServer(service, settings.admin_host, settings.admin_port)
-            await admin.start()
+            admin = await _start_admin(service, settings, embedded=bool(options.parent_pid))
         log.info(
             "serving",
             extra={
@@ -228,6 +229,24 @@ async def run_service(
         await _serve_until(service, options, stop)
     finally:
         await _shutdown(service, server, admin, store, (address, inode), options)
+
+
+async def _start_admin(service: Service, settings: KVTierSettings, embedded: bool) -> AdminServer | None:
+    """The admin HTTP server; in embedded mode a taken port only costs the admin endpoints, since
+    every engine on the node would want the same configured port."""
+    from app.admin import AdminServer
+
+    admin = AdminServer(service, settings.admin_host, settings.admin_port)
+    try:
+        await admin.start()
+    except OSError as exc:
+        if not embedded:
+            raise ServeError(f"admin HTTP on {settings.admin_host}:{settings.admin_port}: {exc}") from exc
+        log.error(
+            "admin HTTP disabled: cannot bind %s:%d (%s)", settings.admin_host, settings.admin_port, exc
+        )
+        return None
+    return admin
 
 
 async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Event) -> None:
@@ -248,7 +267,7 @@ async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Ev
 async def _shutdown(
     service: Service | None,
     server: asyncio.Server | None,
-    admin: object,
+    admin: AdminServer | None,
     store: StoreAPI,
     bound: tuple[Address, int],
     options: ServeOptions,
@@ -267,7 +286,7 @@ async def _shutdown(
         if service is not None:
             await service.drain(options.grace)
         if admin is not None:
-            await admin.close()  # type: ignore[attr-defined]
+            await admin.close()
     finally:
         try:
             await store.close(options.drain_timeout)

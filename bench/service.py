@@ -54,9 +54,11 @@ class Plan:
 # ------------------------------------------------------------------------------ echo reference
 class _EchoServer(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport."""
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        """Send it back."""
         self.transport.write(data)  # type: ignore[attr-defined]
 
 
@@ -79,6 +81,7 @@ class _EchoClient(asyncio.Protocol):
         self.got = 0
 
     def data_received(self, data: bytes) -> None:
+        """Count; wake the waiter once the whole echo is back."""
         self.got += len(data)
         if self.got >= self.want and self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)

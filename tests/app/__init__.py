@@ -181,6 +181,12 @@ class RawConn:
         """Close the socket."""
         self.sock.close()
 
+    def __enter__(self) -> RawConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def python_env(**extra: str) -> dict[str, str]:
     """The environment for a child python process that imports this repository."""

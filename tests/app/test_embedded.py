@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
-from app.embedded import ensure_service, paths_for, respawner, service_env
+from app.embedded import ensure_service, paths_for, respawner, service_env, sweep_dead
 from tests.app import ROOT, SPEC, hashes, python_env, settings_for, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
@@ -135,3 +135,23 @@ def test_service_exits_when_the_parent_dies_and_the_last_client_leaves(tmp_path:
             parent.kill()
             parent.wait(10)
         _stop_service(state)
+
+
+def test_dead_services_files_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "app.server"])
+    try:
+        for name, pid in (("e-dead", dead.pid), ("e-live", live.pid)):
+            arena = tmp_path / f"kvtier-{name[2:]}.arena"
+            arena.write_bytes(b"x")
+            (tmp_path / f"{name}.sock").write_bytes(b"")
+            (tmp_path / f"{name}.json").write_text(json.dumps({"pid": pid, "arena": str(arena)}))
+        assert sweep_dead(tmp_path) == 1
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == ["e-live.json", "e-live.sock", "kvtier-live.arena"]
+    finally:
+        live.kill()
+        live.wait()
+        for path in tmp_path.iterdir():
+            path.unlink()

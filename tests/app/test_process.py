@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app.client import ServiceClient, ServiceUnavailable
-from tests.app import ROOT, SPEC, hashes, kvtier_cmd, python_env, thread_service, wait_until
+from tests.app import ROOT, SPEC, RawConn, hashes, kvtier_cmd, python_env, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 VICTIM = """
@@ -66,14 +66,18 @@ def test_client_killed_mid_call_leaks_no_lease_or_slot(tmp_path: Path) -> None:
 
 def test_sigterm_shuts_down_and_removes_socket_and_arena(tmp_path: Path) -> None:
     sock = tmp_path / "svc.sock"
-    env = python_env(KVTIER_SHM_DIR=str(tmp_path), KVTIER_CPU_SIZE="4MiB")
+    token = "sigterm-test-secret-token"
+    env = python_env(KVTIER_SHM_DIR=str(tmp_path), KVTIER_CPU_SIZE="4MiB", KVTIER_AUTH_TOKEN=token,
+                     KVTIER_LOG_LEVEL="DEBUG")  # fmt: skip
     proc = subprocess.Popen(
         kvtier_cmd("serve", "--url", f"unix://{sock}"), env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
     )
     try:
         assert wait_until(sock.exists, 20), "service did not start"
         assert len(list(tmp_path.glob("kvtier-*.arena"))) == 1
-        with ServiceClient(f"unix://{sock}") as client:
+        with RawConn(f"unix://{sock}") as intruder:  # a wrong token is refused and logged
+            assert intruder.hello(token="guess").code == "auth"
+        with ServiceClient(f"unix://{sock}", token) as client:
             ns = client.hello(SPEC).result(5).namespace
             keys = hashes(4)
             got = client.reserve(ns, keys).result(5)
@@ -92,6 +96,8 @@ def test_sigterm_shuts_down_and_removes_socket_and_arena(tmp_path: Path) -> None
     assert not list(tmp_path.glob("kvtier-*.arena"))
     logs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert {"serving", "stopped"} <= {entry["msg"] for entry in logs}
+    assert any(entry.get("kind") == "auth" for entry in logs)
+    assert token not in err
 
 
 def test_kvtier_stats_json_shape(tmp_path: Path) -> None:

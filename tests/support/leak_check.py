@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 MARK_ENV = "KVT_LEAK_SESSION"  # not KVTIER_*: unknown KVTIER_ variables are configuration errors
-LEAK_GRACE_S = 5.0
+LEAK_GRACE_S = 10.0  # a shutdown may drain disk/Redis writes (5 s) after a 2 s call grace
 _SERVICE_MARKERS = ("app.server", "app/server.py")
 
 
@@ -177,12 +177,24 @@ def find_leaks(before: Snapshot, mark: str, extra: list[Path]) -> tuple[set[int]
     return pids, files
 
 
+def _alive(pid: int) -> bool:
+    stat = _read(f"/proc/{pid}/stat").decode(errors="replace")
+    return bool(stat) and stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def _describe(pid: int) -> str:
     argv = _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
     return f"pid {pid}: {argv}"
 
 
 def _clean(pids: set[int], files: set[str]) -> None:
+    # SIGTERM first: a service then removes its own socket, arena and state file.
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
