@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 BLOB_FORMAT_VERSION = 1
 
@@ -86,18 +86,20 @@ class NamespaceSpec:
         return self.num_layers * self.blocks_per_chunk * self.page_bytes
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkKey:
-    """A stored chunk's identity: namespace id (hex digest) and the prefix hash of its last block."""
+class ChunkKey(NamedTuple):
+    """A stored chunk's identity: namespace id (hex digest) and the prefix hash of its last block.
+
+    A NamedTuple, not a dataclass: keys are hashed in every index on the hot path, and tuple hashing
+    and equality run in C.
+    """
 
     namespace: str
     prefix_hash: bytes
 
 
 # ---------------------------------------------------------------------------------------------- arena
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """A byte range of the shared-memory arena holding one chunk's payload."""
+class SlotRef(NamedTuple):
+    """A byte range of the shared-memory arena holding one chunk's payload (a NamedTuple: hot path)."""
 
     offset: int
     length: int

@@ -3,14 +3,15 @@
 Who owns what: the store's event loop owns the table. The table keeps books only; pinning and
 unpinning slots and lower-tier keys is the store's job, done with the leases this table hands back
 when they are replaced, released or expired. Expiry uses an injected clock so tests step time by
-hand.
+hand. Every lease lives ``ttl`` from its last (re)newal, so expiry order is renewal order: one ordered
+dict, renewed entries moved to its end, serves both lookups by id and the expiry sweep, and keeps no
+stale entry for a replaced or released lease.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,9 +48,7 @@ class LeaseTable:
             raise ValueError(f"lease ttl must be positive, got {ttl}")
         self.ttl = ttl
         self._clock = clock
-        self._leases: dict[str, Lease] = {}
-        self._heap: list[tuple[float, int, Lease]] = []  # lazy: stale entries are skipped
-        self._seq = itertools.count()
+        self._leases: OrderedDict[str, Lease] = OrderedDict()  # oldest (first to expire) first
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -70,9 +69,8 @@ class LeaseTable:
 
     def put(self, lease: Lease) -> Lease | None:
         """Add lease; returns the lease it replaced (same id), which the caller must unpin."""
-        old = self._leases.get(lease.lease_id)
+        old = self._leases.pop(lease.lease_id, None)
         self._leases[lease.lease_id] = lease
-        self._schedule(lease)
         return old
 
     def get(self, lease_id: str) -> Lease | None:
@@ -89,7 +87,8 @@ class LeaseTable:
     def renew(self, lease: Lease) -> None:
         """Push lease's expiry to ttl from now (used when it is being loaded)."""
         lease.expires_at = self._clock() + self.ttl
-        self._schedule(lease)
+        if self.is_current(lease):
+            self._leases.move_to_end(lease.lease_id)
 
     def pop(self, lease_id: str) -> Lease | None:
         """Remove and return the lease of this id (expired or not), or None."""
@@ -99,10 +98,10 @@ class LeaseTable:
         """Remove and return every expired lease."""
         now = self._clock()
         expired: list[Lease] = []
-        while self._heap and self._heap[0][0] <= now:
-            when, _, lease = heapq.heappop(self._heap)
-            if lease.expires_at != when or not self.is_current(lease):
-                continue  # renewed, replaced or released since this entry was pushed
+        while self._leases:
+            lease = next(iter(self._leases.values()))
+            if lease.expires_at > now:
+                break
             del self._leases[lease.lease_id]
             expired.append(lease)
         return expired
@@ -111,8 +110,4 @@ class LeaseTable:
         """Remove and return every lease (shutdown)."""
         leases = list(self._leases.values())
         self._leases.clear()
-        self._heap.clear()
         return leases
-
-    def _schedule(self, lease: Lease) -> None:
-        heapq.heappush(self._heap, (lease.expires_at, next(self._seq), lease))
