@@ -64,17 +64,24 @@ class LRUPolicy(Generic[K]):
     def victims(self, need_bytes: int, pinned: Callable[[K], bool]) -> list[K]:
         """LRU-first unpinned keys whose sizes add up to need_bytes; [] when they cannot.
 
-        Nothing is removed: the caller evicts the victims and calls remove() for each.
+        Nothing is removed: the caller evicts the victims and calls remove() for each. Pinned keys the
+        scan walks past are in use, so they count as recently used: moving them to the end keeps the
+        next scan from walking past them again (without it, a full arena of leased chunks made every
+        reserve scan them all).
         """
         if need_bytes <= 0:
             return []
         chosen: list[K] = []
+        skipped: list[K] = []
         freed = 0
         for key, nbytes in self._order.items():
             if pinned(key):
+                skipped.append(key)
                 continue
             chosen.append(key)
             freed += nbytes
             if freed >= need_bytes:
-                return chosen
-        return []
+                break
+        for key in skipped:
+            self._order.move_to_end(key)
+        return chosen if freed >= need_bytes else []
