@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,15 +29,17 @@ SHARED = make_prompt(300, 260)
 PROMPTS = [SHARED + make_prompt(301, 30), SHARED + make_prompt(302, 50)]
 
 
-def _service_processes() -> list[int]:
+def _service_processes(marker: Path) -> list[int]:
+    """Live kvtier services whose command line names marker (this test's runtime directory)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes()
-            except OSError:
+                state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+            except (OSError, IndexError):
                 continue
-            if b"app.server" in cmd:
+            if b"app.server" in cmd and str(marker).encode() in cmd and state != "Z":
                 pids.append(int(entry.name))
     return pids
 
@@ -42,11 +47,17 @@ def _service_processes() -> list[int]:
 def test_embedded_service_serves_hits_and_leaves_nothing(tiny_model: str, tmp_path: Path) -> None:
     with running_engine(tiny_model, enable_prefix_caching=False) as llm:
         expected = generate_each(llm, PROMPTS, 10)
-    before = set(_service_processes())
     shm = tmp_path / "shm"
     shm.mkdir()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    # Short: the socket path under it must fit the 108-byte limit of unix socket paths.
+    run_dir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        _run_and_check(tiny_model, expected, shm, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_and_check(tiny_model: str, expected: Outputs, shm: Path, run_dir: Path) -> None:
     job = {
         "model": tiny_model,
         "prompts": PROMPTS,
@@ -71,11 +82,10 @@ def test_embedded_service_serves_hits_and_leaves_nothing(tiny_model: str, tmp_pa
     assert_same_outputs(expected, Outputs(result["tokens"]))
     assert result["external_tokens"] >= 4 * 64, "the second prompt loaded the shared prefix"
     # The engine's processes are gone: so are its service, socket and arena.
-    import time
-
+    assert (run_dir / "kvtier").is_dir(), "the embedded service used this test's runtime dir"
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and set(_service_processes()) - before:
+    while time.monotonic() < deadline and _service_processes(run_dir):
         time.sleep(0.1)
-    assert not set(_service_processes()) - before, "the embedded service outlived its engine"
+    assert not _service_processes(run_dir), "the embedded service outlived its engine"
     assert not list(shm.glob("kvtier-*.arena")), "arena file left behind"
     assert not list(run_dir.rglob("*.sock")), "socket left behind"
