@@ -36,7 +36,7 @@ FORBIDDEN_LANGS = frozenset({"sh", "shell", "zsh", "console-run"})
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-_KVTIER_METRIC = re.compile(r"\bkvtier_[a-z_]+(?![\w-])")
+_KVTIER_METRIC = re.compile(r"(?<![\w:])kvtier_[a-z_]+(?![\w-])")
 _VLLM_METRIC = re.compile(r"\bvllm:[a-z_]+")
 _METRIC_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
@@ -208,7 +208,10 @@ def known_vllm_metrics() -> set[str]:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vLLM is not installed")
     source = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics" / "loggers.py"
-    return set(re.findall(r"\"(vllm:[a-z_]+)\"", source.read_text()))
+    names = set(re.findall(r"\"(vllm:[a-z_]+)\"", source.read_text()))
+    # kvtier's connector registers its own families on vLLM's /metrics.
+    own = Path(__file__).resolve().parents[2] / "connector" / "prom.py"
+    return names | set(re.findall(r"\"(vllm:[a-z_]+)\"", own.read_text()))
 
 
 def strip_suffix(name: str) -> str:
