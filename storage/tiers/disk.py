@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 import secrets
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +34,7 @@ from app.settings import KVTierSettings
 from storage import codec
 from storage.base import BlobError, ChunkKey, Tier, TierStats
 from storage.keys import disk_relpath, key_echo, parse_disk_relpath
+from storage.tiers.pins import PinBook
 from storage.tiers.threads import run_to_end, wait_quietly
 
 log = logging.getLogger("kvtier.disk")
@@ -139,8 +140,7 @@ class DiskTier:
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._used = 0
         self._reserved = 0  # bytes of writes in flight, so concurrent puts cannot overshoot capacity
-        self._pins: Counter[ChunkKey] = Counter()
-        self._doomed: set[ChunkKey] = set()
+        self._book = PinBook()
         self._writing: dict[ChunkKey, asyncio.Task[bool]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats(capacity=self.capacity)
@@ -158,7 +158,7 @@ class DiskTier:
 
     def _drop(self, key: ChunkKey) -> bool:
         size = self._index.pop(key, None)
-        self._doomed.discard(key)
+        self._book.forget(key)
         if size is None:
             return False
         self._used -= size
@@ -261,11 +261,11 @@ class DiskTier:
     # ------------------------------------------------------------------------------------------ LowerTier
     async def contains_many(self, keys: list[ChunkKey]) -> list[bool]:
         """Index lookups only; no I/O (every read verifies the file anyway)."""
-        return [key in self._index and key not in self._doomed for key in keys]
+        return [key in self._index and not self._book.is_doomed(key) for key in keys]
 
     async def put(self, key: ChunkKey, payload: memoryview) -> bool:
         """Write header and payload to a temp file, rename it in; False on any failure or no room."""
-        if key in self._index and key not in self._doomed:
+        if key in self._index and not self._book.is_doomed(key):
             self._index.move_to_end(key)
             return True
         job = self._writing.get(key)
@@ -314,7 +314,7 @@ class DiskTier:
         for key, size in self._index.items():
             if excess <= 0:
                 break
-            if self._pins[key] > 0:
+            if self._book.pinned(key):
                 continue
             victims.append(key)
             excess -= size
@@ -431,8 +431,8 @@ class DiskTier:
             await asyncio.shield(pending)
         if key not in self._index:
             return
-        if self._pins[key] > 0:
-            self._doomed.add(key)
+        if self._book.pinned(key):
+            self._book.doom(key)
             return
         self._drop(key)
         await self._remove([key])
@@ -446,7 +446,7 @@ class DiskTier:
 
     async def clear(self) -> int:
         """Remove every unpinned chunk (ClearableTier); returns how many were removed."""
-        victims = [k for k in self._index if self._pins[k] <= 0]
+        victims = [k for k in self._index if not self._book.pinned(k)]
         for key in victims:
             self._drop(key)
         if victims:
@@ -455,20 +455,13 @@ class DiskTier:
 
     def pin(self, keys: list[ChunkKey]) -> None:
         """Keep keys from eviction until unpinned (one unpin per pin)."""
-        for key in keys:
-            self._pins[key] += 1
+        self._book.pin(keys)
 
     def unpin(self, keys: list[ChunkKey]) -> None:
         """Release one pin of each key; a key deleted while pinned goes at its last unpin."""
-        for key in keys:
-            if self._pins[key] <= 0:
-                continue
-            self._pins[key] -= 1
-            if self._pins[key] == 0:
-                del self._pins[key]
-                if key in self._doomed:
-                    self._drop(key)
-                    self._spawn_remove(key)
+        for key in self._book.unpin(keys):
+            self._drop(key)
+            self._spawn_remove(key)
 
     def _spawn_remove(self, key: ChunkKey) -> None:
         try:

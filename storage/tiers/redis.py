@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -43,6 +42,7 @@ from storage import codec
 from storage.base import BlobError, ChunkKey, Tier, TierStats
 from storage.breaker import CircuitBreaker
 from storage.keys import REDIS_PREFIX, redis_key
+from storage.tiers.pins import PinBook
 from storage.tiers.redis_wire import (
     GetOutcome,
     RawConnection,
@@ -229,8 +229,7 @@ class RedisTier:
             RawPool(endpoint, settings.redis_pool_size, self.timeout, self._threads) if endpoint else None
         )
         self._slots = asyncio.Semaphore(settings.redis_pool_size)  # big transfers via redis.asyncio
-        self._pins: Counter[ChunkKey] = Counter()
-        self._doomed: set[ChunkKey] = set()
+        self._book = PinBook()
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats()
 
@@ -292,7 +291,7 @@ class RedisTier:
         found = await self._guarded(lambda: self._exists(names), None)
         if found is None:
             return [False] * len(keys)
-        return [bool(f) and k not in self._doomed for f, k in zip(found, keys, strict=True)]
+        return [bool(f) and not self._book.is_doomed(k) for f, k in zip(found, keys, strict=True)]
 
     async def _exists(self, names: list[str]) -> list[bool]:
         client = self._client
@@ -332,7 +331,7 @@ class RedisTier:
         payload = memoryview(payload).cast("B")
         ok = await self._guarded(lambda: self._put(key, payload), False)
         if ok:
-            self._doomed.discard(key)
+            self._book.forget(key)
             self._stats.stores += 1
             self._stats.bytes_written += payload.nbytes
         return ok
@@ -379,15 +378,15 @@ class RedisTier:
 
     async def delete(self, key: ChunkKey) -> None:
         """UNLINK key; a pinned key is hidden from lookups now and unlinked at its last unpin."""
-        if self._pins[key] > 0:
-            self._doomed.add(key)
+        if self._book.pinned(key):
+            self._book.doom(key)
             return
-        self._doomed.discard(key)
+        self._book.forget(key)
         await self._guarded(lambda: self._timed(self._client.unlink(redis_key(key))), 0)
 
     async def _delete_if_doomed(self, key: ChunkKey) -> None:
         # A put since the delete revived the key; a new pin defers it again.
-        if key in self._doomed and self._pins[key] == 0:
+        if self._book.is_doomed(key) and not self._book.pinned(key):
             await self.delete(key)
 
     async def clear(self) -> int:
@@ -404,7 +403,7 @@ class RedisTier:
         async for raw in self._client.scan_iter(match=f"{REDIS_PREFIX}:*", count=1000):
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
             key = _parse_redis_key(name)
-            if key is not None and self._pins[key] > 0:
+            if key is not None and self._book.pinned(key):
                 continue
             batch.append(name)
             if len(batch) >= _CLEAR_BATCH:
@@ -416,19 +415,12 @@ class RedisTier:
 
     def pin(self, keys: list[ChunkKey]) -> None:
         """Record a lease on keys (defers their deletion; Redis's own TTL still applies)."""
-        for key in keys:
-            self._pins[key] += 1
+        self._book.pin(keys)
 
     def unpin(self, keys: list[ChunkKey]) -> None:
         """Release one pin of each key; a key deleted while pinned is unlinked at its last unpin."""
-        for key in keys:
-            if self._pins[key] <= 0:
-                continue
-            self._pins[key] -= 1
-            if self._pins[key] == 0:
-                del self._pins[key]
-                if key in self._doomed:
-                    self._spawn(key)
+        for key in self._book.unpin(keys):
+            self._spawn(key)
 
     def _spawn(self, key: ChunkKey) -> None:
         try:
