@@ -54,7 +54,9 @@ class _Arena:
         if hello.instance_id == self.instance_id and self.mapping is not None:
             return
         self.close()
-        mapping = ArenaMapping.open(hello.arena, prefault=True)
+        # No pre-fault here: the service allocated the pages, so first touches are cheap minor faults,
+        # and pre-faulting from this process would hold the GIL against vLLM's own thread.
+        mapping = ArenaMapping.open(hello.arena)
         self.mapping = mapping
         self.instance_id = hello.instance_id
         self.pinned = pin_host_buffer(mapping.view(SlotRef(0, hello.arena.size)))
