@@ -14,9 +14,8 @@ import hmac
 import logging
 import secrets
 import time
-import types
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from app import protocol as p
@@ -237,20 +236,14 @@ class Service:
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(self, conn: Connection, msg: p.Request) -> None:
-        """Run one call; the first frame of a connection must be an acceptable Hello.
+        """Run one call as a Task; the first frame of a connection must be an acceptable Hello.
 
-        The call runs eagerly, right here: most store calls never suspend, and skipping a Task for
-        them saves a good share of the service's time per call. A call that does suspend is handed
-        to a Task at the point it suspended and tracked as in flight on its connection.
+        Always a real Task: store and tier code uses asyncio.timeout(), which needs a current task
+        (running calls eagerly with coro.send() broke every Redis call).
         """
         if not conn.authed and not self._handshake(conn, msg):
             return
-        coro = self._serve(conn, msg)
-        try:
-            waiting = coro.send(None)
-        except StopIteration:
-            return
-        task = asyncio.get_running_loop().create_task(_finish(coro, waiting))
+        task = asyncio.get_running_loop().create_task(self._serve(conn, msg))
         conn.inflight.add(task)
         task.add_done_callback(lambda t: self._call_done(conn, t))
         if type(msg) is p.Hello:
@@ -510,26 +503,3 @@ class Service:
             await asyncio.wait_for(self.wait_idle(), timeout=max(grace, 1.0))
         except TimeoutError:
             log.warning("connections still closing after %.1fs", grace)
-
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, None], waiting: Any) -> Generator[Any, Any, None]:
-    """Drive a coroutine that already ran up to its first suspension (``waiting`` is what it
-    yielded) to its end, forwarding what the Task sends or throws in, cancellation included."""
-    while True:
-        try:
-            value = yield waiting
-        except BaseException as exc:
-            try:
-                waiting = coro.throw(exc)
-            except StopIteration:
-                return
-        else:
-            try:
-                waiting = coro.send(value)
-            except StopIteration:
-                return
-
-
-async def _finish(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
-    await _resume(coro, waiting)

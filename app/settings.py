@@ -171,7 +171,7 @@ def display_value(name: str, value: Any) -> Any:
     if name == "auth_token":
         return "***" if value else ""
     if name == "redis_url":
-        return redact_url(value)
+        return redact_url(value) if isinstance(value, str) else "***"
     return int(value) if isinstance(value, ByteSize) else value
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.client import LookupReply, ServiceClient, ServiceError
+from app.client import LookupReply, ServiceClient
 from connector.config import ConnectorConfig
 from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from connector.planning import (
@@ -109,11 +109,13 @@ class SchedulerSide:
         waited_from = time.monotonic()
         try:
             reply = lookup.future.result(timeout=max(0.0, self._budget_left))
-        except concurrent.futures.TimeoutError:
-            self._budget_left = 0.0  # one slow answer per step: others don't wait behind it
-            self.counters.lookups_deferred += 1
-            return None, False
-        except (ServiceError, concurrent.futures.CancelledError) as exc:
+        except Exception as exc:
+            # The client's CallTimeout is a TimeoutError too: only a future still pending means
+            # "not answered yet"; a failed answer is a miss, now.
+            if isinstance(exc, concurrent.futures.TimeoutError) and not lookup.future.done():
+                self._budget_left = 0.0  # one slow answer per step: others don't wait behind it
+                self.counters.lookups_deferred += 1
+                return None, False
             st.lookup = None
             self.counters.lookup_errors += 1
             log.debug("kvtier lookup failed, treating as a miss: %s", exc)

@@ -49,9 +49,7 @@ def test_hits_from_cpu_then_disk_then_redis(
     tiny_model: str, expected: Outputs, redis_server, tmp_path: Path
 ) -> None:
     stored = sum(len(p) // CHUNK for p in PROMPTS)  # 5 + 4 full chunks
-    # A generous Redis timeout: on a loaded 2-core machine a first connect can take over a second,
-    # and a failed write is dropped by design (the breaker), which this test is not about.
-    settings = dict(disk_path=tmp_path / "disk", redis_url=redis_server.url, redis_timeout=5)
+    settings = dict(disk_path=tmp_path / "disk", redis_url=redis_server.url)
     with running_service(tmp_path / "svc1", **settings) as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
         with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
@@ -66,7 +64,7 @@ def test_hits_from_cpu_then_disk_then_redis(
     assert cpu_hits["cpu"] >= stored * CHUNK - 2 * 32  # all but the last block of a full-hit prompt
     assert disk_hits["disk"] >= stored * CHUNK - 2 * 32
     # A fresh service with no disk tier and an empty CPU tier: only Redis has the chunks.
-    with running_service(tmp_path / "svc2", redis_url=redis_server.url, redis_timeout=5) as svc:
+    with running_service(tmp_path / "svc2", redis_url=redis_server.url) as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
         with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
             assert_same_outputs(expected, generate_each(llm, PROMPTS, 10))
