@@ -11,6 +11,7 @@ programmer errors, bad configuration and the typed decode errors below.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -152,6 +153,10 @@ class TierStats:
     def count_error(self, kind: str) -> None:
         """Add one error of this kind."""
         self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def snapshot(self, **overrides: object) -> TierStats:
+        """A copy safe to hand out (its own errors dict), with some fields replaced."""
+        return dataclasses.replace(self, errors=dict(self.errors), **overrides)  # type: ignore[arg-type]
 
     @property
     def error_total(self) -> int:

@@ -475,20 +475,7 @@ class DiskTier:
 
     def stats(self) -> TierStats:
         """A snapshot of the counters."""
-        s = self._stats
-        return TierStats(
-            chunks=len(self._index),
-            bytes=self._used,
-            capacity=self.capacity,
-            hits=s.hits,
-            misses=s.misses,
-            stores=s.stores,
-            evictions=s.evictions,
-            bytes_read=s.bytes_read,
-            bytes_written=s.bytes_written,
-            errors=dict(s.errors),
-            healthy=s.healthy,
-        )
+        return self._stats.snapshot(chunks=len(self._index), bytes=self._used, capacity=self.capacity)
 
     async def close(self) -> None:
         """Wait for writes and background removals, then stop the I/O threads."""

@@ -433,17 +433,7 @@ class RedisTier:
 
     def stats(self) -> TierStats:
         """A snapshot of the counters; chunks and bytes are not tracked (Redis is shared)."""
-        s = self._stats
-        return TierStats(
-            hits=s.hits,
-            misses=s.misses,
-            stores=s.stores,
-            evictions=s.evictions,
-            bytes_read=s.bytes_read,
-            bytes_written=s.bytes_written,
-            errors=dict(s.errors),
-            healthy=self.breaker.closed,
-        )
+        return self._stats.snapshot(chunks=0, bytes=0, capacity=0, healthy=self.breaker.closed)
 
     async def close(self) -> None:
         """Finish deferred deletes, close raw connections and threads, and the client we built."""
