@@ -11,6 +11,25 @@ import os
 import sys
 
 
+def run_engine_process(job: dict, env: dict[str, str] | None = None) -> dict:
+    """Run the job in a fresh Python process; its JSON result (fails the test if the engine failed)."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    base = dict(os.environ) if env is None else env
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
+        cwd=repo,
+        env={**base, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     """Parse the job, run it, print {"tokens": [[...]], "preemptions": n} on the last line."""
     job = json.loads(sys.argv[1])

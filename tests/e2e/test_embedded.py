@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.engine_script import run_engine_process
 from tests.e2e.harness import (
     Outputs,
     assert_same_outputs,
@@ -69,16 +67,7 @@ def _run_and_check(tiny_model: str, expected: Outputs, shm: Path, run_dir: Path)
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.update(PYTHONPATH=str(REPO), XDG_RUNTIME_DIR=str(run_dir))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_engine_process(job, env)
     assert_same_outputs(expected, Outputs(result["tokens"]))
     assert result["external_tokens"] >= 4 * 64, "the second prompt loaded the shared prefix"
     # The engine's processes are gone: so are its service, socket and arena.

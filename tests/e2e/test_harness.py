@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.engine_script import run_engine_process
 from tests.e2e.harness import (
     PREEMPTION_ENGINE,
     PREEMPTION_MAX_TOKENS,
@@ -61,14 +58,5 @@ def test_multiprocess_layout_matches_in_process(tiny_model: str) -> None:
     with running_engine(tiny_model) as llm:
         expected = generate(llm, prompts, max_tokens=10)
     job = {"model": tiny_model, "prompts": prompts, "max_tokens": 10, "multiprocess": True}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_engine_process(job)
     assert_same_outputs(expected, Outputs(result["tokens"]))

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from storage.base import Tier
+from tests.e2e.engine_script import run_engine_process
 from tests.e2e.harness import (
     Outputs,
     assert_same_outputs,
@@ -20,7 +17,7 @@ from tests.e2e.harness import (
     make_prompt,
     running_engine,
 )
-from tests.e2e.service import REPO, RunningService, running_service
+from tests.e2e.service import RunningService, running_service
 
 pytestmark = pytest.mark.e2e
 NO_LOCAL_CACHE = dict(enable_prefix_caching=False)
@@ -85,16 +82,7 @@ def test_two_engines_share_one_service(tiny_model: str, expected: Outputs, tmp_p
             "engine": NO_LOCAL_CACHE,
             "multiprocess": True,
         }
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        first = Outputs(json.loads(proc.stdout.strip().splitlines()[-1])["tokens"])
+        first = Outputs(run_engine_process(job)["tokens"])
         stores = svc.stats()["tiers"]["cpu"]["stores"]
         with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
             second = generate_each(llm, PROMPTS, 10)
