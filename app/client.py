@@ -33,6 +33,7 @@ from typing import Any
 
 from app import protocol as p
 from app.address import Address, parse_url
+from app.affinity import engine_cpus, run_on
 from app.channel import Channel
 from app.client_types import (
     CONVERT,
@@ -134,6 +135,7 @@ class ServiceClient:
         self._reconnect: asyncio.Task[None] | None = None
         self._ready = threading.Event()
         self._loop = new_event_loop()
+        self._cpus = engine_cpus()  # read here, in the caller's thread: see _run
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._loop.call_soon_threadsafe(self._start_reconnect, 0.0)
@@ -311,6 +313,8 @@ class ServiceClient:
 
     # ------------------------------------------------------------------------------------ loop side
     def _run(self) -> None:
+        # Off the cores vLLM binds its model to, or every reply waits behind the model (app/affinity.py).
+        run_on(self._cpus)
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_forever()

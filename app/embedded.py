@@ -34,6 +34,7 @@ from typing import Any
 
 from app import protocol as p
 from app.address import MAX_UNIX_PATH, runtime_dir
+from app.affinity import engine_cpus, format_cpus
 from app.client import ServiceClient
 from app.settings import ENV_PREFIX, KVTierSettings
 
@@ -242,6 +243,9 @@ def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Pope
         "--state-file",
         str(state),
     ]
+    cpus = engine_cpus()
+    if cpus:  # not the cores vLLM bound the spawning thread to (see app/affinity.py)
+        cmd += ["--cpus", format_cpus(cpus)]
     root = str(Path(__file__).resolve().parent.parent)
     env = service_env(settings)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

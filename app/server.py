@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.address import Address, parse_url, resolve_url
+from app.affinity import parse_cpus, run_on
 from app.logs import secrets_of, setup_logging
 from app.loops import new_event_loop
 from app.service import Connection, Service
@@ -370,8 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_serve_arguments(parser)
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--state-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
+        # First, before any thread exists: every thread of the service inherits it.
+        run_on(parse_cpus(args.cpus))
         settings = load_settings()
         options = options_from_args(args, settings)
         parse_url(options.url)

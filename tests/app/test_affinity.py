@@ -1,0 +1,68 @@
+"""kvtier's threads and embedded service leave the core vLLM binds its model thread to."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from app.affinity import format_cpus, parse_cpus
+from app.embedded import paths_for
+from tests.app import ROOT, python_env, wait_until
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+
+# Binds its main thread to one CPU, as vLLM's CPU worker does before it builds the connector, then
+# starts the embedded service and a client from that thread; prints both threads' CPU sets.
+ENGINE = """
+import json, os, sys, threading
+from app.embedded import connect, paths_for
+from app.settings import load_settings
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+client = connect(load_settings(), sys.argv[1])
+client.wait_connected(10)
+pid = json.loads(paths_for(sys.argv[1])[2].read_text())["pid"]
+def cpus(tid):
+    return sorted(os.sched_getaffinity(tid))
+print(json.dumps({
+    "main": cpus(0), "client": cpus(client._thread.native_id),
+    "service": {int(t): cpus(int(t)) for t in os.listdir(f"/proc/{pid}/task")},
+}), flush=True)
+sys.stdin.read()
+client.close()
+os.kill(pid, 15)
+"""
+
+
+def test_cpu_list_round_trip_and_errors() -> None:
+    assert parse_cpus(format_cpus({3, 0, 1})) == {0, 1, 3}
+    assert parse_cpus("") == frozenset()
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_cpus("0-3")
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_cpus("-1")
+
+
+def test_client_thread_and_embedded_service_run_on_the_engines_cpus(tmp_path: Path) -> None:
+    wide = sorted(os.sched_getaffinity(0))
+    if len(wide) < 2:
+        pytest.skip("needs two CPUs to tell a bound thread from a free one")
+    engine_id = f"affinity-{uuid.uuid4()}"
+    env = python_env(KVTIER_SHM_DIR=str(tmp_path), KVTIER_CPU_SIZE="4MiB", KVTIER_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, engine_id],
+        env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        seen = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+    finally:
+        proc.communicate("", timeout=30)
+    sock = paths_for(engine_id)[0]
+    assert wait_until(lambda: not sock.exists(), 15)
+    assert seen["main"] == wide[:1]  # the engine thread stayed where it was bound
+    assert seen["client"] == wide
+    assert seen["service"] and all(cpus == wide for cpus in seen["service"].values()), seen["service"]
