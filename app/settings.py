@@ -59,9 +59,7 @@ class KVTierSettings(BaseSettings):
         description="redis://, rediss://, unix:// or redis+cluster://host:port; empty = Redis off.",
     )
     redis_cluster: bool = Field(False, description="Treat redis_url as a Redis Cluster seed node.")
-    redis_ttl: int = Field(
-        86400, ge=0, description="Seconds a chunk lives in Redis; 0 = no expiry."
-    )
+    redis_ttl: int = Field(86400, ge=0, description="Seconds a chunk lives in Redis; 0 = no expiry.")
     redis_timeout: float = Field(1.0, gt=0, description="Seconds allowed for one Redis call.")
     redis_pool_size: int = Field(8, ge=1, le=256, description="Parallel Redis connections.")
     breaker_period: float = Field(
@@ -86,9 +84,7 @@ class KVTierSettings(BaseSettings):
         0, ge=0, le=65535, description="Port of the admin HTTP server (/health /metrics /stats)."
     )
     admin_host: str = Field("127.0.0.1", description="Address the admin HTTP server binds.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Service log level."
-    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Service log level.")
     config_file: str = Field("", description="YAML file read before the environment (read-only).")
 
     @field_validator("log_level", mode="before")
@@ -207,9 +203,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise SettingsError(
-            f"{CONFIG_FILE_ENV}={path}: cannot read the file ({exc.strerror})"
-        ) from exc
+        raise SettingsError(f"{CONFIG_FILE_ENV}={path}: cannot read the file ({exc.strerror})") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -217,9 +211,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise SettingsError(
-            f"{CONFIG_FILE_ENV}={path}: expected a mapping of setting names to values"
-        )
+        raise SettingsError(f"{CONFIG_FILE_ENV}={path}: expected a mapping of setting names to values")
     # Accept either `cpu_size:` or the env-style `KVTIER_CPU_SIZE:` spelling; a nested `kvtier:` block too.
     if set(data) == {"kvtier"} and isinstance(data["kvtier"], dict):
         data = data["kvtier"]
@@ -257,9 +249,7 @@ def _layers(
         values[name], sources[name] = value, "extra_config"
     if unknown:
         known = ", ".join(sorted(FIELD_NAMES))
-        raise SettingsError(
-            f"unknown kvtier setting(s): {'; '.join(unknown)}. Known settings: {known}"
-        )
+        raise SettingsError(f"unknown kvtier setting(s): {'; '.join(unknown)}. Known settings: {known}")
     if config_file:
         values["config_file"], sources["config_file"] = config_file, "env"
     return values, sources, config_file

@@ -61,8 +61,7 @@ def test_openai_server_under_load_matches_baseline_and_leaks_nothing(tiny_model:
     shm = tmp_path / "shm"
     shm.mkdir()
     admin = free_port()
-    kv = kv_transfer_config(
-        chunk_size=64, cpu_size="16MiB", shm_dir=str(shm), admin_port=admin)
+    kv = kv_transfer_config(chunk_size=64, cpu_size="16MiB", shm_dir=str(shm), admin_port=admin)
     requests = make_requests(WARMUP + LOAD, seed=11)
     runtime = Path(os.environ["XDG_RUNTIME_DIR"]) / "kvtier"
     specs = [("baseline", SERVER_ARGS, None), ("kvtier", SERVER_ARGS, kv)]
