@@ -360,6 +360,20 @@ class ServiceClient:
             call = pending.pop(reply.id, None)  # atomic; callers insert under the lock
             if call is not None:
                 self._complete(call, reply)
+            else:
+                self._late(reply)
+
+    def _late(self, reply: Any) -> None:
+        """A reply to a call that already timed out: give back what it reserved.
+
+        The service owns reserved slots until commit, abort or the connection's end, so a dropped
+        reserve answer would hold its slots for as long as this client stays connected. Leases need
+        nothing here: the caller releases the lease id it chose whether or not the lookup answered.
+        """
+        if type(reply) is p.ReserveReply:
+            slots = [s for s in reply.slots if s is not None]
+            if slots:
+                self._call(p.Abort(id=next(self._ids), slots=slots, instance_id=reply.instance_id), None)
 
     def _complete(self, call: _Call, reply: Any) -> None:
         if type(reply) is p.ErrorReply:

@@ -151,6 +151,19 @@ def test_every_call_has_a_timeout(tmp_path: Path) -> None:
         server.join(5)
 
 
+def test_a_reserve_answered_after_its_timeout_gives_its_slots_back(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns = client.hello(SPEC).result(5).namespace
+        assert svc.loop is not None
+        svc.loop.call_soon_threadsafe(time.sleep, 0.5)  # the service stalls, as under a SIGSTOP
+        late = client.reserve(ns, hashes(3), timeout=0.05)
+        with pytest.raises(CallTimeout):
+            late.result(5)
+        # The reply comes once the service runs again; the client aborts what it reserved.
+        assert wait_until(lambda: client.stats().result(5)["slots_in_use"] == 0, 5)
+        assert client.stats().result(5)["calls"]["abort"] == 1
+
+
 def test_close_is_idempotent_and_fails_later_calls(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc:
         client = ServiceClient(svc.url)
