@@ -3,12 +3,13 @@
 With ``service_url`` empty, every kvtier process of an engine (scheduler and workers) calls
 ``ensure_service(settings, engine_id)``. All of them derive the same socket path from the engine id;
 a file lock (``fcntl.flock``) lets exactly one of them find the socket dead and start
-``python -m app.server`` as its child, while the others wait on the lock and then find it alive.
+``python -m app.server``, while the others wait on the lock and then find it alive.
 
 Who owns what: the spawned service owns its socket, arena and state file and removes them when it
-stops. It stops on SIGTERM, or once its parent (the spawner) is gone and no client is connected:
-Linux's parent-death signal wakes it at once, and a watchdog polls as well. The spawner keeps only a
-reaper thread so the child never lingers as a zombie. A service that died hard (kill -9) leaves its
+stops. It detaches from the spawner once it listens (vLLM SIGKILLs its processes' descendants at
+shutdown; see app/daemon.py) and stops on SIGTERM, or once the spawner is gone and no client is
+connected: a pidfd of the spawner wakes it at once, and a watchdog polls as well. The spawner keeps
+only a reaper thread for the short-lived process it started. A service that died hard (kill -9) leaves its
 state file behind; the next ``ensure_service`` under the lock removes the dead service's socket and
 arena (only if no live process holds the arena's lock) and starts a fresh one. Its CPU-tier chunks
 are lost, which the connector sees as misses.
@@ -242,6 +243,7 @@ def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Pope
         str(os.getpid()),
         "--state-file",
         str(state),
+        "--detach",  # out of vLLM's process tree, which vLLM SIGKILLs at shutdown (app/daemon.py)
     ]
     cpus = engine_cpus()
     if cpus:  # not the cores vLLM bound the spawning thread to (see app/affinity.py)
@@ -260,7 +262,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, token: str, timeout: 
     while time.monotonic() < deadline:
         if probe(sock, token):
             return
-        if proc.poll() is not None:
+        if proc.poll():  # 0: the detached service serves (the probe sees it next time round)
             raise EmbeddedError(
                 f"the kvtier service exited with status {proc.returncode} while starting "
                 "(its log is on this process's stderr)"

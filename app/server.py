@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from app.address import Address, parse_url, resolve_url
 from app.affinity import parse_cpus, run_on
+from app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
 from app.logs import secrets_of, setup_logging
 from app.loops import new_event_loop
 from app.service import Connection, Service
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.server")
 
 StoreFactory = Callable[[KVTierSettings], Awaitable[StoreAPI]]
-PR_SET_PDEATHSIG = 1
-PARENT_SIGNAL = signal.SIGUSR1  # sent by the kernel when the spawning thread dies (embedded mode)
 WATCHDOG_PERIOD_S = 0.5
 
 
@@ -54,6 +53,8 @@ class ServeOptions:
     drain_timeout: float = 5.0
     grace: float = 2.0
     parent_pid: int = 0  # embedded: exit once this parent is gone and no client is connected
+    parent: ParentWatch | None = None  # embedded: watches parent_pid (made before detaching)
+    ready_fd: int = -1  # detached: where to report that the service serves
     state_file: str = ""  # embedded: where to record pid, url and arena for the next spawner
 
 
@@ -137,31 +138,15 @@ async def listen(service: Service, address: Address) -> tuple[asyncio.Server, in
     return server, 0
 
 
-def _parent_gone(parent_pid: int) -> bool:
-    # Our parent is the spawner; once it exits we are re-parented and getppid() changes.
-    return os.getppid() != parent_pid
-
-
-async def _watchdog(service: Service, parent_pid: int, stop: asyncio.Event, poke: asyncio.Event) -> None:
+async def _watchdog(service: Service, parent: ParentWatch, stop: asyncio.Event, poke: asyncio.Event) -> None:
     """Embedded mode: stop once the parent is gone and no client is connected."""
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(poke.wait(), WATCHDOG_PERIOD_S)
         poke.clear()
-        if _parent_gone(parent_pid) and service.connection_count == 0:
-            log.info("parent %d is gone and no client is connected: stopping", parent_pid)
+        if parent.gone() and service.connection_count == 0:
+            log.info("parent %d is gone and no client is connected: stopping", parent.pid)
             stop.set()
-
-
-def set_parent_death_signal(sig: int = PARENT_SIGNAL) -> bool:
-    """Ask Linux to signal us when the spawning thread dies; False where unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _write_state(path: str, data: dict[str, object]) -> None:
@@ -212,6 +197,7 @@ async def run_service(
         if options.state_file:  # before listening: whoever sees the socket may read it at once
             _write_state(options.state_file, {"pid": os.getpid(), "url": options.url, "arena": arena.path})
         server, inode = await listen(service, address)
+        report_ready(options.ready_fd)
         if settings.admin_port:
             admin = await _start_admin(service, settings, embedded=bool(options.parent_pid))
         log.info(
@@ -242,7 +228,11 @@ async def _start_admin(service: Service, settings: KVTierSettings, embedded: boo
         await admin.start()
     except OSError as exc:
         if not embedded:
-            raise ServeError(f"admin HTTP on {settings.admin_host}:{settings.admin_port}: {exc}") from exc
+            raise ServeError(
+                f"cannot serve admin HTTP on admin_host={settings.admin_host} "
+                f"admin_port={settings.admin_port} (KVTIER_ADMIN_HOST, KVTIER_ADMIN_PORT): {exc}; "
+                "pick a free port, or admin_port=0 for none"
+            ) from exc
         log.error(
             "admin HTTP disabled: cannot bind %s:%d (%s)", settings.admin_host, settings.admin_port, exc
         )
@@ -253,9 +243,13 @@ async def _start_admin(service: Service, settings: KVTierSettings, embedded: boo
 async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Event) -> None:
     poke = asyncio.Event()
     watchdog = None
-    if options.parent_pid:
-        watchdog = asyncio.get_running_loop().create_task(_watchdog(service, options.parent_pid, stop, poke))
-        _install(PARENT_SIGNAL, poke.set)
+    parent = options.parent
+    if parent is not None:
+        watchdog = asyncio.get_running_loop().create_task(_watchdog(service, parent, stop, poke))
+        if parent.fd >= 0:
+            asyncio.get_running_loop().add_reader(parent.fd, poke.set)
+        else:
+            _install(PARENT_SIGNAL, poke.set)
     try:
         await stop.wait()
     finally:
@@ -263,6 +257,8 @@ async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Ev
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
+        if parent is not None and parent.fd >= 0:
+            asyncio.get_running_loop().remove_reader(parent.fd)
 
 
 async def _shutdown(
@@ -321,11 +317,11 @@ def serve(settings: KVTierSettings, options: ServeOptions) -> int:
     # with an arena file and no cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT, PARENT_SIGNAL):
         signal.signal(sig, lambda signum, _frame: early.append(signum))
-    if options.parent_pid:
-        set_parent_death_signal()
-        if _parent_gone(options.parent_pid):
-            log.info("parent %d exited before the service started", options.parent_pid)
-            return 0
+    if options.parent_pid and options.parent is None:
+        options = dataclasses.replace(options, parent=ParentWatch(options.parent_pid))
+    if options.parent is not None and options.parent.gone():
+        log.info("parent %d exited before the service started", options.parent.pid)
+        return 0
     setup_logging(settings.log_level, secrets_of(settings.auth_token, settings.redis_url))
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
@@ -372,12 +368,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--state-file", default="", help=argparse.SUPPRESS)
     parser.add_argument("--cpus", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # First, before any thread exists: the watch must see the spawner as this process's parent,
+    # and the fork of detach() and the CPU set must come before threads.
+    parent = ParentWatch(args.parent_pid) if args.parent_pid else None
+    ready_fd = detach() if args.detach and parent is not None and parent.can_detach else -1
     try:
-        # First, before any thread exists: every thread of the service inherits it.
         run_on(parse_cpus(args.cpus))
         settings = load_settings()
         options = options_from_args(args, settings)
+        options = dataclasses.replace(options, parent=parent, ready_fd=ready_fd)
         parse_url(options.url)
     except (SettingsError, ValueError, OSError) as exc:
         print(f"kvtier: invalid configuration: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from app.settings import KVTierSettings, load_settings
+from app.settings import KVTierSettings, SettingsError, load_settings
 from connector.planning import Geometry
 from storage.base import NamespaceSpec
 from storage.keys import namespace_id
@@ -75,7 +75,11 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
     try:
         geometry = Geometry(block_size, settings.chunk_size)
     except ValueError as exc:
-        raise UnsupportedEngine(f"kvtier chunk_size: {exc}") from None
+        # The user's setting, not the engine, is wrong: refuse to start rather than run idle.
+        raise SettingsError(
+            f"kvtier setting chunk_size (KVTIER_CHUNK_SIZE): {exc}; for example "
+            f"{block_size * max(1, 256 // block_size)}"
+        ) from None
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
         groups = 0 if kv_cache_config is None else len(kv_cache_config.kv_cache_groups)
         raise UnsupportedEngine(

@@ -42,7 +42,7 @@ class _Lookup:
 
 @dataclass(slots=True)
 class _Answer:
-    reply: LookupReply
+    reply: LookupReply | None  # None: nothing to load (no lookup needed, or it failed)
     local_tokens: int
     external: int
 
@@ -102,6 +102,7 @@ class SchedulerSide:
             return 0, False
         hashes = chunk_hashes(request.block_hashes, self.geo)
         if len(hashes) * self.geo.chunk_size <= num_computed_tokens:
+            st.answer = _Answer(None, num_computed_tokens, 0)  # still an admission to count
             return 0, False
         if st.lookup is None or st.lookup.num_chunks != len(hashes) or self._too_old(st.lookup):
             st.lookup = self._start_lookup(st, hashes)
@@ -119,6 +120,7 @@ class SchedulerSide:
             st.lookup = None
             self.counters.lookup_errors += 1
             log.debug("kvtier lookup failed, treating as a miss: %s", exc)
+            st.answer = _Answer(None, num_computed_tokens, 0)
             return 0, False
         finally:
             self._budget_left = max(0.0, self._budget_left - (time.monotonic() - waited_from))
@@ -166,11 +168,11 @@ class SchedulerSide:
         admitted = answer.local_tokens + num_external_tokens
         st.watermark = admitted // self.geo.chunk_size
         self.counters.count_admission(request, num_external_tokens)
-        if num_external_tokens <= 0:
+        reply = answer.reply
+        if num_external_tokens <= 0 or reply is None:
             self._release(st)
             return
         table = list(blocks.get_block_ids()[0])
-        reply = answer.reply
         spans = load_spans(answer.local_tokens, num_external_tokens, self.geo)
         is_async = any(reply.result.tiers[s.chunk] != Tier.CPU for s in spans)
         chunks = []

@@ -51,11 +51,13 @@ PAGE = 4096
 ARENA_PREFIX = "kvtier-"
 ARENA_SUFFIX = ".arena"
 _ARENA_NAME = re.compile(r"^kvtier-[0-9a-f]+\.arena$")
+_NEW_SUFFIX = ".creating"  # an arena being created, before it is locked and renamed into place
+_NEW_NAME = re.compile(r"^kvtier-[0-9a-f]+\.creating$")
 _PREFAULT_STEP = 32 << 20  # bytes per fallocate call: short enough to stop promptly
 _POPULATE_STEP = 4 << 20  # bytes per madvise call, which runs with the GIL held
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-_STALE_AGE_S = 10.0  # a dead owner's file this young may still be in the middle of its creation
+_STALE_AGE_S = 10.0  # a '.creating' file this young may belong to a service starting right now
 
 
 def align_up(n: int, align: int = PAGE) -> int:
@@ -219,21 +221,25 @@ class Arena(ArenaMapping):
             raise ArenaError(f"shm_dir {directory} is not a directory")
         reap_stale_arenas(directory)
         _check_space(directory, size)
-        path = directory / f"{ARENA_PREFIX}{secrets.token_hex(8)}{ARENA_SUFFIX}"
+        name = f"{ARENA_PREFIX}{secrets.token_hex(8)}"
+        path, new = directory / f"{name}{ARENA_SUFFIX}", directory / f"{name}{_NEW_SUFFIX}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ArenaError(f"cannot create arena {path}: {exc.strerror}") from exc
         try:
             os.fchmod(fd, 0o600)  # a umask can only remove bits; make the mode exact anyway
             # The owner holds this lock for its lifetime: a later service reaps files nobody holds.
+            # Locked before it gets its final name, so an unlocked '.arena' is always a dead one.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(new, path)
             os.ftruncate(fd, size)
             return cls(fd, str(path), size, prefault)
         except BaseException as exc:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            for leftover in (new, path):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
             if isinstance(exc, OSError):
                 msg = f"cannot size arena {path} to {size} bytes: {exc.strerror}"
                 raise ArenaError(msg) from exc
@@ -268,16 +274,24 @@ def _check_space(directory: Path, size: int) -> None:
 def reap_stale_arenas(
     directory: str | os.PathLike[str], min_age_s: float = _STALE_AGE_S
 ) -> list[str]:
-    """Remove arena files whose owner died (nobody holds their lock); returns the removed paths."""
+    """Remove arena files whose owner died (nobody holds their lock); returns the removed paths.
+
+    An arena is locked before it is renamed to its final name, so an unlocked ``.arena`` file is
+    reaped at once (a service killed and respawned within a second leaves nothing behind); an
+    unlocked ``.creating`` file only once it is min_age_s old, as its creator may not have locked it yet.
+    """
     removed: list[str] = []
     uid = os.getuid()
     now = time.time()
     for entry in os.scandir(directory):
-        if not _ARENA_NAME.match(entry.name):
+        final = bool(_ARENA_NAME.match(entry.name))
+        if not final and not _NEW_NAME.match(entry.name):
             continue
         try:
             st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < min_age_s:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            if not final and now - st.st_mtime < min_age_s:
                 continue
             fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:

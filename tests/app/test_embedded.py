@@ -137,6 +137,50 @@ def test_service_exits_when_the_parent_dies_and_the_last_client_leaves(tmp_path:
         _stop_service(state)
 
 
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[-1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def test_killing_the_engines_process_tree_spares_the_service_which_then_cleans_up(tmp_path: Path) -> None:
+    """vLLM stops an engine by SIGKILLing it and every descendant: the service is not one of them,
+    so it can remove its socket and arena once the engine is gone."""
+    engine_id = f"engine-{uuid.uuid4()}"
+    parent = _engine(tmp_path, engine_id)
+    info = json.loads(parent.stdout.readline())  # type: ignore[union-attr]
+    sock, _, state = paths_for(engine_id)
+    try:
+        tree = _descendants(parent.pid)
+        assert info["pid"] not in tree
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(10)
+        assert wait_until(lambda: not _alive(info["pid"]), 10)
+        assert wait_until(lambda: not sock.exists() and not state.exists(), 5)
+        assert not Path(info["arena"]).exists()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        _stop_service(state)
+
+
 def test_dead_services_files_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -174,10 +174,22 @@ def test_slow_lookup_asks_again_then_uses_the_answer() -> None:
     assert len(client.lookups) == 1, "the pending lookup is reused, not sent again"
 
 
-def test_dead_service_is_a_miss_at_once() -> None:
+def test_dead_service_is_a_miss_at_once_and_still_an_admission() -> None:
     side = SchedulerSide(_cfg(), FakeClient(down=True))
-    assert side.get_num_new_matched_tokens(FakeRequest("a", 300, 9), 0) == (0, False)
+    req = FakeRequest("a", 300, 9)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.counters.lookup_errors == 1
+    side.update_state_after_alloc(req, _blocks(list(range(10))), 0)
+    assert (side.counters.admissions, side.counters.admissions_with_hit) == (1, 0)
+
+
+def test_prompt_shorter_than_a_chunk_is_counted_as_an_admission() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 40, 1)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, _blocks([0, 1]), 0)
+    assert side.counters.admissions == 1 and not client.lookups
 
 
 def test_repeated_lookup_replaces_the_lease() -> None:

@@ -147,11 +147,10 @@ def _old(path: Path) -> None:
     os.utime(path, (1_000_000, 1_000_000))
 
 
-def test_reap_removes_only_unlocked_old_arenas(tmp_path: Path) -> None:
+def test_reap_removes_unlocked_arenas_and_only_old_half_created_ones(tmp_path: Path) -> None:
     dead = tmp_path / "kvtier-deadbeef.arena"
-    dead.write_bytes(b"x" * 10)
-    _old(dead)
-    young = tmp_path / "kvtier-00ff.arena"
+    dead.write_bytes(b"x" * 10)  # just written: a service killed right after it started
+    young = tmp_path / "kvtier-00ff.creating"
     young.write_bytes(b"y")
     foreign = tmp_path / "other.arena"
     foreign.write_bytes(b"z")
