@@ -222,6 +222,21 @@ def wait_quiet(svc: RunningService, timeout: float = 30) -> dict[str, Any]:
     return wait_for(quiet, timeout, "the service to go quiet (no queued writes, no leases)")
 
 
+def wait_settled(svc: RunningService, timeout: float = 10) -> dict[str, Any]:
+    """Stats once no lease, no queued write and no slot beyond the stored chunks remain, or the last
+    stats seen after timeout seconds (a leak then shows in them). Settling takes a moment: a reply
+    the client gave up on is answered with an abort only after it arrives."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = svc.stats()
+        leaked = stats["slots_in_use"] - stats["tiers"]["cpu"]["chunks"]
+        if (not stats["leases_active"] and not stats["write_queue_depth"] and not leaked) or (
+            time.monotonic() > deadline
+        ):
+            return stats
+        time.sleep(0.05)
+
+
 def wait_stored(svc: RunningService, tier: str, stores: int, timeout: float = 30) -> dict[str, Any]:
     """Wait until `tier` has counted at least `stores` stores and the write queue is empty."""
 

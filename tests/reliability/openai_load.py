@@ -302,8 +302,22 @@ def cmdline(pid: int) -> str:
 
 
 def service_pids(root: int) -> set[int]:
-    """kvtier service processes (`python -m app.server`) below root."""
-    return {pid for pid in descendants(root) if "app.server" in cmdline(pid)}
+    """kvtier services started by root or a process below it.
+
+    An embedded service detaches from the process that spawned it (vLLM kills its processes'
+    descendants), so it is found by the ``--parent-pid`` it was started with.
+    """
+    family = descendants(root) | {root}
+    found: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        args = cmdline(int(entry.name)).split()
+        if "app.server" in args and alive(int(entry.name)):
+            parent = args[args.index("--parent-pid") + 1] if "--parent-pid" in args[:-1] else ""
+            if int(entry.name) in family or (parent.isdigit() and int(parent) in family):
+                found.add(int(entry.name))
+    return found
 
 
 def rss_anon_kib(pid: int) -> int:

@@ -47,7 +47,7 @@ from tests.reliability.conftest import (
     sched_counts,
     short_prompts,
     wait_for,
-    wait_quiet,
+    wait_settled,
     worker_counts,
 )
 from tests.reliability.openai_load import (
@@ -185,7 +185,7 @@ def test_frozen_service_neither_stalls_vllm_nor_leaks(
             time.sleep(CALL_TIMEOUT_S + 1)  # every call sent meanwhile has timed out in the client
         finally:
             os.kill(sp.pid, signal.SIGCONT)
-        quiet = wait_quiet(svc)
+        quiet = wait_settled(svc)
         leaked = quiet["slots_in_use"] - quiet["tiers"]["cpu"]["chunks"]
         if quiet["leases_active"] or leaked:
             problems.append(
@@ -211,7 +211,7 @@ def test_frozen_service_neither_stalls_vllm_nor_leaks(
         if frozen is not None:
             outputs[1] = frozen
             outputs.update({j: driver.ask(batch(groups, j)) for j in (2, 3)})
-            after = wait_quiet(svc)
+            after = wait_settled(svc)
             hits = svc.hit_tokens()
     finally:
         driver.close(5 if stuck else 60)
