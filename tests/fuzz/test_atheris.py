@@ -1,0 +1,29 @@
+"""The protocol and blob decoders under atheris: only their typed errors, whatever the bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("atheris", reason="atheris has no wheel for this platform; hypothesis covers it")
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = 30_000
+
+
+@pytest.mark.parametrize("target", ["protocol", "blob"])
+def test_decoder_survives_coverage_guided_fuzzing(target: str, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.targets", target, f"-runs={RUNS}", "-max_len=4096", "-seed=1",
+         str(corpus)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    report = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, f"atheris found an input the {target} decoder fails on:\n{report}"
+    assert f"Done {RUNS} runs" in report, report
+    assert any(corpus.iterdir()), "atheris kept no input: it never reached new code"
