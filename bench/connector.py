@@ -73,6 +73,22 @@ def bench_copy(repeat: int = 7) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------- services
+def _off_the_model_core() -> Callable[[], None]:
+    """A preexec_fn that runs the child on the CPUs this process started with.
+
+    Once an in-process engine has run, vLLM has bound this thread to the model's core; a service or
+    Redis started from here would inherit that, which no deployment does (see app/affinity.py).
+    """
+    from app.affinity import engine_cpus, run_on
+
+    cpus = engine_cpus()
+
+    def preexec() -> None:
+        run_on(cpus)
+
+    return preexec
+
+
 @contextlib.contextmanager
 def _service(tmp: Path, **settings: Any) -> Iterator[str]:
     """A standalone kvtier service (`python -m app.server`) on a unix socket."""
@@ -83,7 +99,11 @@ def _service(tmp: Path, **settings: Any) -> Iterator[str]:
     env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
     with open(tmp / "service.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.server", "--url", f"unix://{sock}"], env=env, stdout=log, stderr=log
+            [sys.executable, "-m", "app.server", "--url", f"unix://{sock}"],
+            env=env,
+            stdout=log,
+            stderr=log,
+            preexec_fn=_off_the_model_core(),
         )
     try:
         deadline = time.monotonic() + 30
@@ -126,6 +146,7 @@ def _redis(tmp: Path) -> Iterator[str | None]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=_off_the_model_core(),
     )
     try:
         time.sleep(0.3)
