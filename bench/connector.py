@@ -174,18 +174,48 @@ def _wait_drained(client: Any) -> None:
 
 # ---------------------------------------------------------------------------- (b) scheduler share
 def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str, float]:
-    """Connector time inside schedule() with 256 running requests, vs the rest of schedule()."""
+    """Connector time on the scheduler thread with 256 running requests, vs vLLM's own schedule().
+
+    The numerator is every scheduler-side connector hook (those vLLM calls from update_from_output
+    included); the denominator is schedule() without the hooks it calls.
+    """
     from tests.e2e.engine_core import run_engine_core  # the same driver the tests use
 
-    timers = {"connector": 0.0, "schedule": 0.0, "steps": 0}
+    timers = {"connector": 0.0, "connector_in_schedule": 0.0, "schedule": 0.0, "steps": 0}
+    inside = [False]
+
+    def hook(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                timers["connector"] += spent
+                if inside[0]:
+                    timers["connector_in_schedule"] += spent
+
+        return timed
 
     def instrument(core: Any) -> None:
         sched = core.scheduler
         conn = sched.connector
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                      "request_finished", "update_connector_output"):  # fmt: skip
-            _wrap(conn, name, timers, "connector")
-        _wrap(sched, "schedule", timers, "schedule", count=True)
+            setattr(conn, name, hook(getattr(conn, name)))
+        schedule = sched.schedule
+
+        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+            inside[0] = True
+            start = time.perf_counter()
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                timers["schedule"] += time.perf_counter() - start
+                timers["steps"] += 1
+                inside[0] = False
+
+        sched.schedule = timed_schedule
 
     prompts = [list(np.random.default_rng(i).integers(2, 1000, 96)) for i in range(num_requests)]
     prompts = [[int(t) for t in p] for p in prompts]
@@ -195,28 +225,13 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
             enable_prefix_caching=False, max_num_seqs=num_requests, max_model_len=256,
             on_start=instrument,
         )  # fmt: skip
-    own = timers["schedule"] - timers["connector"]
+    own = timers["schedule"] - timers["connector_in_schedule"]
     return {
         "steps": timers["steps"],
         "schedule_ms_per_step": round(1000 * own / max(1, timers["steps"]), 3),
         "connector_ms_per_step": round(1000 * timers["connector"] / max(1, timers["steps"]), 3),
         "scheduler_overhead_fraction": round(timers["connector"] / max(own, 1e-9), 4),
     }
-
-
-def _wrap(obj: Any, name: str, timers: dict[str, float], key: str, count: bool = False) -> None:
-    inner = getattr(obj, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            timers[key] += time.perf_counter() - start
-            if count:
-                timers["steps"] += 1
-
-    setattr(obj, name, timed)
 
 
 # ------------------------------------------------------------------------------------------ (c) TTFT

@@ -90,9 +90,7 @@ class SchedulerSide:
         if hashes:
             st.lookup = self._start_lookup(st, hashes)
 
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """External tokens for a waiting request; None means 'ask again next step'."""
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -128,9 +126,7 @@ class SchedulerSide:
         if reply.result.num_hit == 0:
             st.lease_id = ""  # the service keeps no lease for a lookup that found nothing
         self.counters.observe_lookup_latency(time.monotonic() - lookup.started)
-        ext = external_tokens(
-            reply.result.num_hit, num_computed_tokens, request.num_tokens, self.geo
-        )
+        ext = external_tokens(reply.result.num_hit, num_computed_tokens, request.num_tokens, self.geo)
         st.answer = _Answer(reply, num_computed_tokens, ext)
         return ext, ext > 0 and self._needs_async(reply, num_computed_tokens, ext)
 
@@ -197,9 +193,7 @@ class SchedulerSide:
         st.async_load_pending = is_async
         st.lease_id = ""  # the worker releases it once the copy is done
 
-    def get_external_cache_hit_sources(
-        self, request: Any, num_external_tokens: int
-    ) -> dict[Tier, int]:
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Tier, int]:
         """Tokens of the last admission split by the tier they come from."""
         st = self._reqs.get(request.request_id)
         return dict(st.hit_sources) if st is not None else {}
@@ -211,20 +205,15 @@ class SchedulerSide:
         meta = KVTierMetadata()
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
-        scheduled = so.num_scheduled_tokens
-        spec = so.scheduled_spec_decode_tokens
-        for new in so.scheduled_new_reqs:
-            req_id = new.req_id
-            new_valid = scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
-            self._on_scheduled(req_id, list(new.block_ids[0]), True, new.num_computed_tokens, new_valid, meta)
+        new = so.scheduled_new_reqs
+        if new:
+            ids = [n.req_id for n in new]
+            tables = [n.block_ids for n in new]
+            self._scan(so, ids, tables, [n.num_computed_tokens for n in new], set(ids), meta)
         cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        for req_id, ids, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            new_valid = scheduled.get(req_id, 0) - len(spec.get(req_id, ()))
-            block_ids = list(ids[0]) if ids is not None else []
-            self._on_scheduled(req_id, block_ids, req_id in resumed, computed, new_valid, meta)
+        self._scan(
+            so, cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed_req_ids, meta
+        )
         # Async loads were planned for requests that are not scheduled this step.
         meta.loads.extend(self._loads.values())
         self._loads.clear()
@@ -244,30 +233,44 @@ class SchedulerSide:
             self.client.release(load.lease_id)
         self.counters.preemptions += 1
 
-    def _on_scheduled(
-        self, req_id: str, ids: list[int], replace: bool, computed: int, new_valid: int, meta: KVTierMetadata
+    def _scan(
+        self,
+        so: Any,
+        req_ids: list[str],
+        new_block_ids: list[Any],
+        computed_tokens: list[int],
+        replace: set[str],
+        meta: KVTierMetadata,
     ) -> None:
-        # Runs for every scheduled request every step: keep the common case (a decode step that
-        # completes no chunk) to a few integer operations.
-        st = self._reqs.get(req_id)
-        if st is None:
-            return
-        if replace:
-            st.block_table = ids
-        elif ids:
-            st.block_table.extend(ids)
-        if self._loads:
-            load = self._loads.pop(req_id, None)
-            if load is not None:
-                meta.loads.append(load)
-        chunk = self.geo.chunk_size
-        hi = min((computed + max(0, new_valid)) // chunk, len(st.request.block_hashes) // self._bpc)
-        if hi <= st.watermark <= computed // chunk:
-            st.watermark = hi  # nothing new to save (same result as save_range, without the call)
-            return
-        job = self._plan_save(st, computed, new_valid)
-        if job is not None:
-            meta.saves.append(job)
+        """Track block tables, send planned loads and plan saves for these scheduled requests.
+
+        Runs for every scheduled request every step, so the common case (a decode step that
+        completes no chunk) is a few integer operations with no call; req_ids in `replace` get
+        the block table given instead of appending to theirs.
+        """
+        reqs, loads, chunk, bpc = self._reqs, self._loads, self.geo.chunk_size, self._bpc
+        scheduled = so.num_scheduled_tokens
+        spec = so.scheduled_spec_decode_tokens
+        for req_id, ids, computed in zip(req_ids, new_block_ids, computed_tokens, strict=True):
+            st = reqs.get(req_id)
+            if st is None:
+                continue
+            if req_id in replace:
+                st.block_table = list(ids[0]) if ids is not None else []
+            elif ids is not None and ids[0]:
+                st.block_table.extend(ids[0])
+            if loads and req_id in loads:
+                meta.loads.append(loads.pop(req_id))
+            new_valid = scheduled.get(req_id, 0)
+            if spec and req_id in spec:
+                new_valid -= len(spec[req_id])
+            hi = min((computed + max(0, new_valid)) // chunk, len(st.request.block_hashes) // bpc)
+            if hi <= st.watermark <= computed // chunk:
+                st.watermark = hi  # nothing new to save (same result as save_range, without the call)
+                continue
+            job = self._plan_save(st, computed, new_valid)
+            if job is not None:
+                meta.saves.append(job)
 
     def _plan_save(self, st: _Request, computed: int, new_valid: int) -> SaveJob | None:
         request = st.request
