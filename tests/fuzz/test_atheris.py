@@ -20,6 +20,7 @@ def test_decoder_survives_coverage_guided_fuzzing(target: str, tmp_path: Path) -
     corpus.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.fuzz.targets", target, f"-runs={RUNS}", "-max_len=4096", "-seed=1",
+         f"-artifact_prefix={tmp_path}/",
          str(corpus)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
