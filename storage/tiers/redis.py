@@ -2,7 +2,8 @@
 
 Paths:
 - Single server over redis:// or unix:// (the common case): GET and SET go through RawPool, blocking
-  sockets driven by worker threads that read replies straight into the caller's buffer and send values
+  sockets driven by worker threads that read replies straight into the caller's buffer (values over
+  1 MiB as streamed GETRANGE slices, which spares the server a fresh buffer per reply) and send values
   without packing them (see redis_wire). EXISTS, UNLINK and everything else use redis.asyncio.
 - TLS (rediss://), Redis Cluster (redis+cluster://, rediss+cluster:// or settings.redis_cluster) and an
   injected client (tests: fakeredis) use redis.asyncio for everything; a cluster lookup is split into

@@ -23,6 +23,7 @@ from storage import codec
 from storage.base import ChunkKey, ClearableTier, LowerTier, Tier
 from storage.breaker import CircuitBreaker
 from storage.keys import redis_key
+from storage.tiers import redis_wire
 from storage.tiers.redis import RedisTier, client_url
 from storage.tiers.redis_wire import (
     GetOutcome,
@@ -243,28 +244,95 @@ async def test_fast_path_no_ttl_and_big_values(tier: RedisTier, redis_server: Re
     assert await read(tier, key(3), size=3 << 20) == bytes(big)
 
 
+@pytest.fixture(params=["whole", "sliced"])
+def read_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """whole: CHUNK-sized values are read by one GET; sliced: by 4 KiB GETRANGE slices, 3 in flight."""
+    if request.param == "sliced":
+        monkeypatch.setattr(redis_wire, "RANGE_PIECE", 4096)
+        monkeypatch.setattr(redis_wire, "WINDOW_PIECES", 3)
+    return str(request.param)
+
+
 @needs_redis
 async def test_fast_path_bad_values_keep_connection_in_sync(
-    tier: RedisTier, redis_server: RedisServer
+    tier: RedisTier, redis_server: RedisServer, read_mode: str
 ) -> None:
     r = redis.Redis(port=redis_server.port)
     try:
         assert await tier.put(key(1), payload(1))
         blob = bytearray(r.get(redis_key(key(1))) or b"")
-        blob[100] ^= 1
+        blob[-100] ^= 1
         r.set(redis_key(key(1)), bytes(blob))  # payload bit flip
         r.set(redis_key(key(2)), b"x" * 10)  # shorter than any header
         r.set(redis_key(key(3)), codec.encode(key(3), b"y" * 100))  # valid, other length
         r.set(redis_key(key(4)), b"z" * (codec.header_size(key(4)) + CHUNK))  # right size, junk
-        for i in (1, 2, 3, 4):
+        r.rpush(redis_key(key(6)), b"a list")  # WRONGTYPE: the server answers an error
+        for i in (1, 2, 3, 4, 6, 7):
             assert await read(tier, key(i)) is None
-        assert tier.stats().errors == {"corrupt": 3, "length_mismatch": 1}
+        assert tier.stats().errors == {"corrupt": 3, "length_mismatch": 1, "server_error": 1}
+        assert tier.stats().misses == 6 and tier.stats().healthy
         assert r.exists(redis_key(key(1)), redis_key(key(2)), redis_key(key(4))) == 0
-        assert r.exists(redis_key(key(3))) == 1
+        assert r.exists(redis_key(key(3)), redis_key(key(6))) == 2
         assert await tier.put(key(5), payload(5))  # the raw connections are still in sync
         assert await read(tier, key(5)) == bytes(payload(5))
     finally:
         r.close()
+
+
+@needs_redis
+@pytest.mark.parametrize("replacement", ["same_size", "shorter"])
+async def test_value_replaced_between_slices_is_read_again_atomically(
+    tier: RedisTier, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, replacement: str
+) -> None:
+    monkeypatch.setattr(redis_wire, "RANGE_PIECE", 4096)
+    monkeypatch.setattr(redis_wire, "WINDOW_PIECES", 1)
+    new_payload = payload(2, size=CHUNK if replacement == "same_size" else CHUNK // 2)
+    r = redis.Redis(port=redis_server.port)
+    original = RawConnection._read_into
+    replaced = threading.Event()
+
+    def read_into_then_replace(conn: RawConnection, dest: memoryview) -> None:
+        original(conn, dest)
+        if not replaced.is_set():  # after the first slice, before the later ones are asked for
+            replaced.set()
+            r.set(redis_key(key(1)), codec.encode(key(1), bytes(new_payload)))
+
+    try:
+        assert await tier.put(key(1), payload(1))
+        monkeypatch.setattr(RawConnection, "_read_into", read_into_then_replace)
+        r.config_resetstat()
+        got = await read(tier, key(1))
+        assert replaced.is_set()
+        stats = r.info("commandstats")
+        assert isinstance(stats, dict) and stats["cmdstat_exec"]["calls"] == 2  # streamed, then atomic
+        if replacement == "same_size":
+            assert got == bytes(new_payload)  # the torn read was not taken for corruption
+            assert tier.stats().errors == {}
+        else:
+            assert got is None and tier.stats().errors == {"length_mismatch": 1}
+        assert r.exists(redis_key(key(1))) == 1  # a good value is never unlinked
+    finally:
+        r.close()
+
+
+@needs_redis
+async def test_refused_transactions_fall_back_to_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_wire, "RANGE_PIECE", 4096)
+    with RedisServer(extra_args=("--rename-command", "MULTI", "")) as server:
+        tier = RedisTier(make_settings(server.url, redis_pool_size=1))
+        assert await tier.put(key(1), payload(1))
+        for _ in range(2):  # the second read goes straight to GET
+            assert await read(tier, key(1)) == bytes(payload(1))
+        assert tier.stats().errors == {}
+        await tier.close()
+    with RedisServer() as server:
+        server.command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-getrange")
+        tier = RedisTier(make_settings(f"redis://kv:pw@127.0.0.1:{server.port}/0"))
+        assert await tier.put(key(1), payload(1))
+        assert await read(tier, key(1)) == bytes(payload(1))
+        assert tier.stats().errors == {}
+        await tier.close()
+        assert b"cmdstat_get:calls=1," in server.command("INFO", "commandstats")
 
 
 @needs_redis
@@ -478,6 +546,49 @@ def test_reader_times_out_and_notices_a_closed_connection() -> None:
         with pytest.raises(WireError, match="closed"):
             conn.get_into(b"k", k, dest, time.monotonic() + 2)
         assert conn.stale()
+    finally:
+        conn.close()
+        server.close()
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def _sliced_replies(blob: bytes, hsize: int, piece: int, *, atomic: bool, torn_at: int = -1) -> bytes:
+    """What redis-server answers to _read_slices: the transaction, then (streamed) the slices."""
+    payload_slices = [blob[hsize + off : hsize + off + piece] for off in range(0, len(blob) - hsize, piece)]
+    if torn_at >= 0:
+        payload_slices[torn_at] = payload_slices[torn_at][:-1]  # the value got shorter meanwhile
+    inside = 3 + (len(payload_slices) if atomic else 0)
+    head = b"+OK\r\n" + b"+QUEUED\r\n" * inside + b"*%d\r\n:1\r\n:%d\r\n" % (inside, len(blob))
+    return head + _bulk(blob[:hsize]) + b"".join(_bulk(s) for s in payload_slices)
+
+
+def test_reader_handles_split_sliced_replies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(redis_wire, "RANGE_PIECE", 100)
+    monkeypatch.setattr(redis_wire, "WINDOW_PIECES", 100)  # every request goes out in one send
+    k = key(1)
+    data = bytes(payload(1))[:1000]
+    blob = codec.encode(k, data)
+    hsize = codec.header_size(k)
+    nope = b"-NOPERM this user has no permissions to run the 'getrange' command\r\n"
+    refused = b"+OK\r\n+QUEUED\r\n+QUEUED\r\n" + nope + b"-EXECABORT Transaction discarded\r\n"
+    replies: list[bytes | None] = [
+        _sliced_replies(blob, hsize, 100, atomic=False),  # hit, delivered 7 bytes at a time
+        _sliced_replies(blob, hsize, 100, atomic=False, torn_at=3),  # torn: read again ...
+        _sliced_replies(blob, hsize, 100, atomic=True),  # ... in one transaction
+        refused + nope * 10,  # GETRANGE not allowed: the slices sent after EXEC are refused too
+        b"$%d\r\n%s\r\n" % (len(blob), blob),  # so the connection falls back to GET
+    ]
+    server = ScriptedServer(replies)
+    conn = raw_connection(server.port)
+    try:
+        deadline = time.monotonic() + 5
+        for i in range(3):
+            dest = memoryview(bytearray(len(data)))
+            assert conn.get_into(b"k", k, dest, deadline) is GetOutcome.HIT and bytes(dest) == data
+            assert conn.ranged is (i < 2)  # the third read fell back to GET for good
     finally:
         conn.close()
         server.close()
