@@ -8,7 +8,10 @@ reader or a restart never sees half a chunk. A read fills the caller's buffer st
 Who owns what: the event loop owns the index (key -> file size, in LRU order), the pins, the byte
 accounting and the stats. Worker threads only run file I/O on paths and buffers handed to them and
 report back by return value or exception; they never touch the index. File I/O runs in this tier's own
-small thread pool (one hop per chunk rather than aiofiles' one hop per system call).
+few threads (``IOThreads``), one hand-off each way per chunk: a put encodes the header (checksum
+included), writes, and renames in one call; a get reads header and payload with one ``preadv`` and
+verifies both in the same call. The checksum runs in the I/O thread, so it overlaps the I/O of the
+other chunks in flight; a put's bookkeeping runs in the hook that settles its job.
 
 Pins and deletes: pinned keys are never evicted. ``delete`` of a pinned key hides it from
 ``contains_many`` at once but keeps serving ``get_into`` to the lease that pinned it; the file goes when
@@ -19,6 +22,7 @@ touch the file, to keep reads free of metadata writes).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import itertools
 import logging
@@ -26,21 +30,36 @@ import os
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from app.settings import KVTierSettings
 from storage import codec
 from storage.base import BlobError, ChunkKey, Tier, TierStats
-from storage.keys import disk_relpath, key_echo, parse_disk_relpath
+from storage.keys import disk_relpath, parse_disk_relpath
 from storage.tiers.pins import PinBook
-from storage.tiers.threads import run_to_end, wait_quietly
+from storage.tiers.threads import IOThreads, Job
 
 log = logging.getLogger("kvtier.disk")
 T = TypeVar("T")
 TEMP_PREFIX = ".tmp-"
 _IO_THREADS = 4
+
+
+def _find_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """fallocate(2) itself, or None: glibc's posix_fallocate would emulate it by writing every block."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):  # not Linux, or no such symbol
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_FALLOCATE = _find_fallocate()
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 
 
 class DiskIO:
@@ -57,6 +76,17 @@ class DiskIO:
     def open_read(self, path: str) -> int:
         """Open path for reading."""
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def preallocate(self, fd: int, size: int) -> bool:
+        """Allocate size bytes of disk to fd at once; False where the filesystem cannot."""
+        if _FALLOCATE is None:
+            return False
+        if _FALLOCATE(fd, 0, 0, size) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code in _NO_FALLOCATE:
+            return False
+        raise OSError(code, os.strerror(code))
 
     def writev(self, fd: int, buffers: Sequence[memoryview]) -> int:
         """Write buffers in order with one call; may write less than asked."""
@@ -133,28 +163,30 @@ class DiskTier:
         if not settings.disk_path:
             raise ValueError("DiskTier needs settings.disk_path (KVTIER_DISK_PATH)")
         self.root = os.path.abspath(settings.disk_path)
+        self._prefix = os.path.join(self.root, "")  # root plus one separator, joined once
         self.capacity = int(settings.disk_size)
         self.fsync = settings.disk_fsync
         self.io = io or DiskIO()
+        self._preallocate = True  # until the filesystem says it cannot
         self.last_scan = ScanReport()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._used = 0
         self._reserved = 0  # bytes of writes in flight, so concurrent puts cannot overshoot capacity
         self._book = PinBook()
-        self._writing: dict[ChunkKey, asyncio.Task[bool]] = {}
+        self._writing: dict[ChunkKey, Job[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats(capacity=self.capacity)
-        self._pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvtier-disk")
+        self._threads = IOThreads(_IO_THREADS, "kvtier-disk")
         self._temp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._temp_seq = itertools.count()
 
     # ------------------------------------------------------------------------------------------ helpers
     def path_of(self, key: ChunkKey) -> str:
         """Absolute file path of key."""
-        return os.path.join(self.root, disk_relpath(key))
+        return self._prefix + disk_relpath(key)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await run_to_end(self._pool, fn, *args)
+        return await self._threads.run(fn, *args)
 
     def _drop(self, key: ChunkKey) -> bool:
         size = self._index.pop(key, None)
@@ -268,42 +300,52 @@ class DiskTier:
         if key in self._index and not self._book.is_doomed(key):
             self._index.move_to_end(key)
             return True
-        job = self._writing.get(key)
+        job = self._writing.get(key) or self._start_write(key, payload)
         if job is None:
-            payload = memoryview(payload).cast("B")
-            size = codec.FIXED_HEADER_SIZE + len(key_echo(key)) + payload.nbytes
-            if size > self.capacity:
-                self._stats.count_error("too_large")
-                return False
-            victims = self._pick_victims(size)
-            if victims is None:
-                self._stats.count_error("full")
-                return False
-            # A job of its own, so concurrent puts of one key share it and the index sees every file.
-            self._reserved += size
-            job = asyncio.get_running_loop().create_task(self._put_job(key, payload, size, victims))
-            self._writing[key] = job
+            return False
         try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:
-            await wait_quietly(job)  # the job still reads the caller's buffer: hold it until done
-            raise
+            # A cancelled put returns only when the write has ended: it still reads the caller's buffer.
+            await job.result()
+        except Exception:  # already counted by _wrote
+            return False
+        return True
 
-    async def _put_job(self, key: ChunkKey, payload: memoryview, size: int, victims: list[ChunkKey]) -> bool:
-        ok = False
+    def _start_write(self, key: ChunkKey, payload: memoryview) -> Job[None] | None:
+        """Reserve room and queue the write; None (counted) when it cannot fit."""
+        view = memoryview(payload).cast("B")
+        size = codec.header_size(key) + view.nbytes
+        if size > self.capacity:
+            self._stats.count_error("too_large")
+            return None
+        victims = self._pick_victims(size)
+        if victims is None:
+            self._stats.count_error("full")
+            return None
+        evict = [self.path_of(k) for k in victims]
+        hook = partial(self._wrote, key, size, view.nbytes)
         try:
-            await self._run(self._write_file, key, payload, [self.path_of(k) for k in victims])
-            ok = True
-        except Exception as exc:  # every I/O failure is a counted miss, never raised to the store
+            job = self._threads.submit(self._write_file, key, view, evict, hook=hook)
+        except RuntimeError as exc:  # the tier was closed meanwhile
             self._stats.count_error(error_kind(exc))
-        finally:
-            self._reserved -= size
-            del self._writing[key]
-        if ok:
-            self._insert(key, size)
-            self._stats.stores += 1
-            self._stats.bytes_written += payload.nbytes
-        return ok
+            return None
+        # The hook runs on this loop, so nothing can settle the job before these two lines.
+        # One job per key, so concurrent puts of one key share it and the index sees every file.
+        self._reserved += size
+        self._writing[key] = job
+        return job
+
+    def _wrote(
+        self, key: ChunkKey, size: int, nbytes: int, _value: None, error: BaseException | None
+    ) -> None:
+        """Settle a write's bookkeeping on the loop, before any putter wakes."""
+        self._reserved -= size
+        del self._writing[key]
+        if error is not None:  # every I/O failure is a counted miss, never raised to the store
+            self._stats.count_error(error_kind(error))
+            return
+        self._insert(key, size)
+        self._stats.stores += 1
+        self._stats.bytes_written += nbytes
 
     def _pick_victims(self, need: int) -> list[ChunkKey] | None:
         """Unindex least recently used unpinned keys until need more bytes fit; None if impossible."""
@@ -328,8 +370,8 @@ class DiskTier:
     def _write_file(self, key: ChunkKey, payload: memoryview, evict: list[str]) -> None:
         self._unlink_quiet(evict)
         final = self.path_of(key)
-        directory = os.path.dirname(final)
-        header = codec.encode_header(key, payload)
+        directory = final.rpartition(os.sep)[0]
+        header = codec.encode_header(key, payload)  # the payload checksum, in this I/O thread
         # Unique per process and write (O_EXCL catches the impossible clash); uuid4 costs ~25 us here.
         temp = os.path.join(directory, f"{TEMP_PREFIX}{self._temp_tag}-{next(self._temp_seq)}")
         try:
@@ -339,6 +381,11 @@ class DiskTier:
             fd = self.io.open_excl(temp)
         try:
             try:
+                # One extent allocation for the whole file instead of ext4 reserving delayed-allocation
+                # space page by page: writes of 2-8 MiB measured 10-20% faster here, and a full disk
+                # fails before any byte is copied.
+                if self._preallocate and not self.io.preallocate(fd, len(header) + payload.nbytes):
+                    self._preallocate = False
                 self._write_all(fd, [memoryview(header), payload])
                 if self.fsync:
                     self.io.fsync(fd)
@@ -428,7 +475,7 @@ class DiskTier:
         """Remove key; a pinned key disappears from lookups now and from disk at its last unpin."""
         pending = self._writing.get(key)
         if pending is not None:
-            await asyncio.shield(pending)
+            await pending.ended()
         if key not in self._index:
             return
         if self._book.pinned(key):
@@ -479,7 +526,8 @@ class DiskTier:
 
     async def close(self) -> None:
         """Wait for writes and background removals, then stop the I/O threads."""
-        pending: list[Any] = [*self._writing.values(), *self._background]
+        pending: list[Any] = [job.ended() for job in self._writing.values()]
+        pending += self._background
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        await asyncio.get_running_loop().run_in_executor(None, self._threads.close)

@@ -120,6 +120,8 @@ class FaultyIO(DiskIO):
     def __init__(self) -> None:
         self.fail: dict[str, int] = {}
         self.short_writes = False
+        self.no_preallocate = False  # act as a filesystem without fallocate
+        self.preallocations = 0
 
     def _maybe_fail(self, name: str) -> None:
         if name in self.fail:
@@ -134,6 +136,11 @@ class FaultyIO(DiskIO):
     def open_excl(self, path: str) -> int:
         self._maybe_fail("open_excl")
         return super().open_excl(path)
+
+    def preallocate(self, fd: int, size: int) -> bool:
+        self._maybe_fail("preallocate")
+        self.preallocations += 1
+        return not self.no_preallocate and super().preallocate(fd, size)
 
     def open_read(self, path: str) -> int:
         self._maybe_fail("open_read")
@@ -311,3 +318,38 @@ async def test_clear_keeps_pinned_chunks(tmp_path: Path) -> None:
     assert await tier.contains_many([key(i) for i in range(5)]) == [False, False, True, False, False]
     assert len(files(tmp_path)) == 1 and tier.stats().bytes == BLOB
     await tier.close()
+
+
+async def test_calls_after_close_are_counted_failures(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    assert await tier.put(key(1), payload(1))
+    await tier.close()
+    assert not await tier.put(key(2), payload(2))
+    assert await read(tier, 1) is None
+    assert tier.stats().errors == {"runtimeerror": 2}
+    assert tier.stats().bytes == BLOB  # the refused write reserved nothing
+
+
+async def test_preallocation_full_disk_and_filesystems_without_it(tmp_path: Path) -> None:
+    io = FaultyIO()
+    tier = await started(tmp_path, io=io)
+    io.fail["preallocate"] = errno.ENOSPC  # a full disk is found before any byte is copied
+    assert not await tier.put(key(1), payload(1))
+    assert tier.stats().errors == {"enospc": 1} and files(tmp_path) == []
+    del io.fail["preallocate"]
+    io.no_preallocate = True
+    assert await tier.put(key(1), payload(1))  # no fallocate: plain writes, and no more asking
+    assert await tier.put(key(2), payload(2))
+    assert io.preallocations == 1
+    assert [await read(tier, i) for i in (1, 2)] == [bytes(payload(1)), bytes(payload(2))]
+    await tier.close()
+
+
+def test_preallocate_sizes_the_file(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not DiskIO().preallocate(fd, 3 * 4096 + 5):
+            pytest.skip("this filesystem has no fallocate")
+        assert os.fstat(fd).st_size == 3 * 4096 + 5
+    finally:
+        os.close(fd)
