@@ -13,7 +13,12 @@ from pathlib import Path
 from app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
 from app.embedded import ensure_service, paths_for, respawner, service_env, sweep_dead
 from tests.app import ROOT, SPEC, hashes, python_env, settings_for, wait_until
-from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+from tests.support.leak_check import (  # noqa: F401
+    descendants,
+    kvtier_leak_session,
+    leak_check,
+    no_kvtier_leaks,
+)
 
 # Prints the URL and the service's pid, then keeps the engine process alive until stdin closes.
 ENGINE = """
@@ -137,26 +142,6 @@ def test_service_exits_when_the_parent_dies_and_the_last_client_leaves(tmp_path:
         _stop_service(state)
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[-1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def test_killing_the_engines_process_tree_spares_the_service_which_then_cleans_up(tmp_path: Path) -> None:
     """vLLM stops an engine by SIGKILLing it and every descendant: the service is not one of them,
     so it can remove its socket and arena once the engine is gone."""
@@ -165,7 +150,7 @@ def test_killing_the_engines_process_tree_spares_the_service_which_then_cleans_u
     info = json.loads(parent.stdout.readline())  # type: ignore[union-attr]
     sock, _, state = paths_for(engine_id)
     try:
-        tree = _descendants(parent.pid)
+        tree = descendants(parent.pid)
         assert info["pid"] not in tree
         for pid in tree:
             os.kill(pid, signal.SIGKILL)

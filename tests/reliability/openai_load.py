@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.harness import make_prompt
+from tests.support.leak_check import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300.0
@@ -272,24 +273,6 @@ def alive(pid: int) -> bool:
     """True while pid exists and is not a zombie."""
     stat = _stat(pid)
     return stat is not None and stat[1] != "Z"
-
-
-def descendants(root: int) -> set[int]:
-    """Every live descendant of root."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            if stat is not None and stat[1] != "Z":
-                children.setdefault(stat[0], []).append(int(entry.name))
-    seen: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in seen:
-                seen.add(child)
-                todo.append(child)
-    return seen
 
 
 def cmdline(pid: int) -> str:

@@ -90,6 +90,12 @@ def _descendants(procs: dict[int, tuple[int, str, list[str]]], root: int) -> set
     return seen
 
 
+def descendants(root: int) -> set[int]:
+    """Every live (not zombie) descendant of root."""
+    procs = _processes()
+    return {pid for pid in _descendants(procs, root) if procs[pid][1] != "Z"}
+
+
 def _has_mark(pid: int, mark: str) -> bool:
     return f"{MARK_ENV}={mark}".encode() in _read(f"/proc/{pid}/environ").split(b"\0")
 
