@@ -28,9 +28,10 @@ from storage.base import SlotRef
 log = logging.getLogger(__name__)
 
 # Bound on waiting for this step's reserve answers in wait_for_save; past it the saves are skipped.
-# After one miss of the bound the worker stops waiting at all until answers come back in time again,
-# so a slow service costs one bounded wait, not one per step.
+# After one miss of the bound the worker only probes (SAVE_PROBE_S) until answers come back, in time
+# or late, so a slow or frozen service costs one bounded wait, not one per step.
 SAVE_WAIT_S = 0.02
+SAVE_PROBE_S = 0.001
 HELLO_WAIT_S = 5.0
 
 
@@ -243,7 +244,7 @@ class WorkerSide:
             except concurrent.futures.TimeoutError:
                 future.add_done_callback(self._abort_late)
                 self.counters.save_skipped_chunks += len(job.hashes)
-                self._save_wait = 0.0
+                self._save_wait = SAVE_PROBE_S
                 continue
             except Exception:
                 self.counters.save_errors += 1
@@ -288,6 +289,9 @@ class WorkerSide:
             reply = future.result()
         except Exception:
             return
+        # The service answers again: wait for the next step's reserves as usual instead of skipping
+        # saves until one happens to be answered within no wait at all.
+        self._save_wait = SAVE_WAIT_S
         slots = [s for s in reply.slots if s is not None]
         if slots and self.client is not None:
             self.client.abort(slots, reply.instance_id)
