@@ -1,14 +1,20 @@
 """Client of the kvtier service, for vLLM's synchronous hooks.
 
 Who owns what: a ``ServiceClient`` owns one background thread running its own event loop, and that
-loop owns the one connection's reading side, the reconnect schedule and the timeout sweep. Public
-methods may be called from any thread: each encodes its request and, while connected, writes it to
-the socket itself (non-blocking, under the client's lock, with any remainder flushed by the loop),
-then returns a ``concurrent.futures.Future``; the loop thread completes it when the reply arrives.
-Writing from the calling thread saves a wake-up of the loop thread per call. While the service is
-unreachable every call fails immediately with ``ServiceUnavailable`` (a connector turns it into a
-miss); the loop keeps reconnecting with backoff, calls ``on_unavailable`` (embedded mode respawns
-the service there), and after a reconnect registers every namespace again before serving calls.
+loop owns the connection, the reconnect schedule and the timeout sweep. Public methods may be
+called from any thread: each encodes its request and, while connected, writes it to the socket
+itself (non-blocking, under the client's lock, with any remainder flushed by the loop), then
+returns a ``concurrent.futures.Future``. Writing from the calling thread saves a wake-up of the loop
+thread per call, and reading is symmetric: a thread that blocks on a future (``result()`` or
+``exception()``, with no timeout or a positive one) reads the socket itself while no other thread
+does, so its reply wakes it directly, not the loop thread that would then wake it
+(app/channel.py). Replies for other calls that it reads on the way complete their futures in its
+thread. The loop thread reads whenever no caller blocks reading: at once for a caller that polls
+(``done()``, ``result(0)``), and within SWEEP_PERIOD_S of a reply that nobody waits for.
+While the service is unreachable every call fails immediately with ``ServiceUnavailable`` (a
+connector turns it into a miss); the loop keeps reconnecting with backoff, calls
+``on_unavailable`` (embedded mode respawns the service there), and after a reconnect registers
+every namespace again before serving calls.
 
 The lock guards the socket's writes, the table of calls in flight and the connection state; the
 loop thread takes it only briefly and never blocks while holding it.
@@ -21,20 +27,20 @@ import atexit
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any
 
 from app import protocol as p
 from app.address import Address, parse_url
 from app.affinity import engine_cpus, run_on
-from app.channel import Channel
+from app.channel import DONE, Call, Channel, fail, fail_calls, failed, resolve
 from app.client_types import (
     CONVERT,
     AuthFailed,
@@ -84,16 +90,6 @@ SWEEP_PERIOD_S = 0.01  # timeouts fire within this much of their deadline
 _DOWN, _CONNECTING, _READY, _CLOSED = "down", "connecting", "ready", "closed"
 
 
-@dataclass(slots=True)
-class _Call:
-    id: int
-    frame: bytes
-    future: Future[Any]
-    reply_type: type
-    convert: Callable[[Any, p.SlotCache], Any]
-    deadline: float
-
-
 class ServiceClient:
     """Thread-safe client of one kvtier service; every call returns a concurrent Future."""
 
@@ -125,19 +121,19 @@ class ServiceClient:
         self._state = _CONNECTING
         self._down_reason = "not connected yet"
         self._channel: Channel | None = None
-        self._pending: dict[int, _Call] = {}
-        self._queue: deque[_Call] = deque()
+        self._pending: dict[int, Call] = {}
+        self._queue: deque[Call] = deque()
         self._sweeping = False
         self._closed = False
         self._hello: HelloReply | None = None
         self._specs: dict[NamespaceSpec, None] = {}  # ordered set; read and written under _lock
-        self._slot_cache = p.SlotCache()  # loop thread only
         self._reconnect: asyncio.Task[None] | None = None
         self._ready = threading.Event()
         self._loop = new_event_loop()
         self._cpus = engine_cpus()  # read here, in the caller's thread: see _run
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._loop_thread = self._thread.ident
         self._loop.call_soon_threadsafe(self._start_reconnect, 0.0)
         atexit.register(self.close)
 
@@ -179,11 +175,7 @@ class ServiceClient:
     ) -> Future[None]:
         """Publish filled slots; with instance_id, fails with StaleInstance after a restart."""
         msg = p.Commit(
-            id=next(self._ids),
-            namespace=namespace,
-            hashes=hashes,
-            slots=[(s.offset, s.length) for s in slots],
-            instance_id=instance_id,
+            id=next(self._ids), namespace=namespace, hashes=hashes, slots=slots, instance_id=instance_id
         )
         return self._call(msg, timeout)
 
@@ -191,8 +183,7 @@ class ServiceClient:
         self, slots: list[SlotRef], instance_id: str = "", timeout: float | None = None
     ) -> Future[None]:
         """Give reserved slots back unfilled."""
-        raw = [(s.offset, s.length) for s in slots]
-        return self._call(p.Abort(id=next(self._ids), slots=raw, instance_id=instance_id), timeout)
+        return self._call(p.Abort(id=next(self._ids), slots=slots, instance_id=instance_id), timeout)
 
     def release(self, lease_id: str, timeout: float | None = None) -> Future[None]:
         """End a lease (idempotent)."""
@@ -263,29 +254,36 @@ class ServiceClient:
         return enc  # type: ignore[no-any-return]
 
     def _call(self, msg: Any, timeout: float | None) -> Future[Any]:
-        future: Future[Any] = Future()
         if self._closed or os.getpid() != self._pid:
-            future.set_exception(ClientClosed("the client is closed (or was created in another process)"))
-            return future
+            return failed(ClientClosed("the client is closed (or was created in another process)"))
         if self._state == _DOWN:  # unlocked read: failing fast must not wait for the lock
-            future.set_exception(self._unavailable())
-            return future
+            return failed(self._unavailable())
         reply_type, convert = CONVERT[type(msg)]
         try:
             frame = self._encoder().encode(msg)
         except p.ProtocolError as exc:
-            future.set_exception(ServiceError(str(exc)))
-            return future
-        limit = self.timeout if timeout is None else timeout
-        call = _Call(msg.id, frame, future, reply_type, convert, time.monotonic() + limit)
-        on_loop = threading.get_ident() == self._thread.ident
+            return failed(ServiceError(str(exc)))
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        call = Call(self, msg.id, frame, reply_type, convert, deadline)
+        on_loop = threading.get_ident() == self._loop_thread
         with self._lock:
-            error = self._dispatch(call, on_loop)
+            channel = self._channel
+            if self._state is _READY and channel is not None and not channel.pending_out:
+                # The usual case, inline: sent at once (see _dispatch for the others).
+                self._pending[call.id] = call  # before the bytes leave: the reply may come at once
+                if channel.write(frame, on_loop):
+                    if not self._sweeping:
+                        self._start_sweep(on_loop)
+                    return call
+                del self._pending[call.id]
+                error: ServiceError | None = self._unavailable("connection lost")
+            else:
+                error = self._dispatch(call, on_loop)
         if error is not None:
-            _fail(future, error)
-        return future
+            fail(call, error)
+        return call
 
-    def _dispatch(self, call: _Call, on_loop: bool) -> ServiceError | None:
+    def _dispatch(self, call: Call, on_loop: bool) -> ServiceError | None:
         """Send, queue or refuse a call (caller holds the lock); returns the error to fail it with."""
         state = self._state
         if state == _READY and self._channel is not None:
@@ -300,13 +298,17 @@ class ServiceClient:
         else:
             return self._unavailable()
         if not self._sweeping:
+            self._start_sweep(on_loop)
+        return None
+
+    def _start_sweep(self, on_loop: bool) -> None:
+        if not self._sweeping:
             self._sweeping = True
             if on_loop:
                 self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
             else:
                 with contextlib.suppress(RuntimeError):  # loop closed by close() meanwhile
                     self._loop.call_soon_threadsafe(self._loop.call_later, SWEEP_PERIOD_S, self._sweep)
-        return None
 
     def _unavailable(self, reason: str = "") -> ServiceUnavailable:
         return ServiceUnavailable(f"kvtier service {self.url}: {reason or self._down_reason}")
@@ -324,7 +326,8 @@ class ServiceClient:
             self._loop.close()
 
     def _sweep(self) -> None:
-        """Fail calls past their deadline; runs every SWEEP_PERIOD_S while any call is waiting."""
+        """Fail calls past their deadline and watch for replies again when no caller reads them;
+        runs every SWEEP_PERIOD_S while any call is waiting or the loop thread is not watching."""
         now = time.monotonic()
         with self._lock:
             expired = [c for c in self._pending.values() if c.deadline <= now]
@@ -333,28 +336,45 @@ class ServiceClient:
             queued = [c for c in self._queue if c.deadline <= now]
             for call in queued:
                 self._queue.remove(call)
-            idle = not self._pending and not self._queue
+            channel = self._channel
+            if channel is not None and not channel.watched and not channel.reading.locked():
+                channel.watch()  # replies nobody waits for, and a lost connection, get noticed
+            idle = not self._pending and not self._queue and (channel is None or channel.watched)
             if idle:
                 self._sweeping = False
         for call in expired:
-            _fail(call.future, CallTimeout(f"no answer from {self.url} in time"))
+            fail(call, CallTimeout(f"no answer from {self.url} in time"))
         for call in queued:
-            _fail(call.future, CallTimeout(f"not connected to {self.url} in time"))
+            fail(call, CallTimeout(f"not connected to {self.url} in time"))
         if not idle:
             self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
 
     def _readable(self, channel: Channel) -> None:
+        """Replies arrived and the loop thread watches for them (loop thread)."""
+        if not channel.reading.acquire(blocking=False):
+            # A caller reads them: stop watching until nobody does (see _sweep and await_reply), or
+            # every reply would wake this thread too.
+            channel.park()
+            self._start_sweep(on_loop=True)
+            return
+        try:
+            error = self._read(channel)
+        finally:
+            channel.leave()
+        if error is not None:
+            self._lost(channel, error)
+
+    def _read(self, channel: Channel) -> str | None:
+        """Read and deliver what arrived (holder of channel.reading); the error that lost it, if any."""
         try:
             replies = channel.receive()
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except (OSError, EOFError) as exc:
-            self._lost(channel, f"connection lost ({exc})")
-            return
+            return f"connection lost ({exc})"
         except p.ProtocolError as exc:
             log.warning("bad frame from the service, reconnecting: %s", exc)
-            self._lost(channel, f"bad frame from the service ({exc})")
-            return
+            return f"bad frame from the service ({exc})"
         pending = self._pending
         for reply in replies:
             call = pending.pop(reply.id, None)  # atomic; callers insert under the lock
@@ -362,6 +382,53 @@ class ServiceClient:
                 self._complete(call, reply)
             else:
                 self._late(reply)
+        return None
+
+    def await_reply(self, future: Call, timeout: float | None) -> float | None:
+        """Read replies in this thread until future is done, unless another thread reads them.
+
+        Returns what is left of timeout, for the wait on the future itself (which another
+        thread completes when this one cannot read: not connected, or someone else reads).
+        A poll (timeout 0: done(), result(0)) reads nothing itself: see _watch_for.
+        """
+        channel = self._channel
+        if channel is None or self._state is not _READY or threading.get_ident() == self._loop_thread:
+            return timeout
+        if timeout is not None and timeout <= 0.0:
+            self._watch_for(channel)
+            return timeout
+        if not channel.reading.acquire(blocking=False):
+            return timeout
+        until = math.inf if timeout is None else time.monotonic() + timeout
+        error = None
+        try:
+            while future._state not in DONE and not channel.closed:  # type: ignore[attr-defined]
+                # Up to the call's own deadline at most: the sweep fails it then.
+                wait = min(until, future.deadline) - time.monotonic()
+                if channel.wait_readable(wait if wait > 0.0 else 0.0):
+                    if error := self._read(channel):
+                        break
+                elif wait <= 0.0:
+                    break
+        finally:
+            channel.leave()
+            if error is None and self._pending:
+                self._watch_for(channel)  # other calls are in flight and nobody reads for them now
+        if error is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._lost, channel, error)
+        return None if timeout is None else max(0.0, until - time.monotonic())
+
+    def _watch_for(self, channel: Channel) -> None:
+        """Have the loop thread read replies again (it stops while a caller reads them)."""
+        # Polls come here instead of reading: a read is a system call, which lets go of the GIL,
+        # and a thread that lets go of the GIL and takes it back at once, as an engine loop that
+        # polls its futures at every step does, keeps the process's other threads from ever
+        # forcing a switch (seen: an in-process proxy starved into Redis timeouts).
+        if not channel.watched and not channel.closed and not channel.watch_asked:
+            channel.watch_asked = True
+            with contextlib.suppress(RuntimeError):  # loop closed by close() meanwhile
+                self._loop.call_soon_threadsafe(channel.watch)
 
     def _late(self, reply: Any) -> None:
         """A reply to a call that already timed out: give back what it reserved.
@@ -375,13 +442,14 @@ class ServiceClient:
             if slots:
                 self._call(p.Abort(id=next(self._ids), slots=slots, instance_id=reply.instance_id), None)
 
-    def _complete(self, call: _Call, reply: Any) -> None:
-        if type(reply) is p.ErrorReply:
-            _fail(call.future, remote_error(reply))
-        elif type(reply) is not call.reply_type:
-            _fail(call.future, ServiceError(f"unexpected {type(reply).__name__} to a call"))
+    def _complete(self, call: Call, reply: Any) -> None:
+        kind = type(reply)
+        if kind is call.reply_type:
+            resolve(call, call.convert(reply))
+        elif kind is p.ErrorReply:
+            fail(call, remote_error(reply))
         else:
-            _resolve(call.future, call.convert(reply, self._slot_cache))
+            fail(call, ServiceError(f"unexpected {kind.__name__} to a call"))
 
     def _flush(self, channel: Channel) -> None:
         """Write what the socket did not take before (loop thread, when it is writable)."""
@@ -409,16 +477,16 @@ class ServiceClient:
             if self._state != _CLOSED:
                 self._state, self._down_reason = _DOWN, reason
         self._ready.clear()
-        _fail_calls(calls, self._unavailable(reason))
+        fail_calls(calls, self._unavailable(reason))
         self._start_reconnect(0.0)
 
-    def _take_all(self) -> list[_Call]:
+    def _take_all(self) -> list[Call]:
         """Every call in flight or queued, removed from the books (caller holds the lock)."""
         calls = [*self._pending.values(), *self._queue]
         self._pending, self._queue = {}, deque()
         return calls
 
-    def _set_down(self, reason: str) -> list[_Call]:
+    def _set_down(self, reason: str) -> list[Call]:
         with self._lock:
             if self._state != _CLOSED:
                 self._state, self._down_reason = _DOWN, reason
@@ -436,7 +504,7 @@ class ServiceClient:
                 await asyncio.sleep(delay)
             if await self._connect_once():
                 return
-            _fail_calls(self._set_down(self._down_reason), self._unavailable())
+            fail_calls(self._set_down(self._down_reason), self._unavailable())
             if self._on_unavailable is not None and self._state != _CLOSED:
                 await self._run_hook()
                 if await self._connect_once():
@@ -513,10 +581,10 @@ class ServiceClient:
         except BaseException:
             sock.close()
             raise
-        channel = Channel(self._loop, sock, lambda: self._flush(channel))
+        channel = Channel(self._loop, sock, lambda: self._flush(channel), self._readable)
         with self._lock:
             self._channel = channel
-        self._loop.add_reader(channel.fd, self._readable, channel)
+        channel.watch()
         return channel
 
     async def _handshake(self, channel: Channel) -> HelloReply:
@@ -527,14 +595,13 @@ class ServiceClient:
         deadline = time.monotonic() + self._connect_timeout
         for spec in specs:
             msg = p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
-            future: Future[Any] = Future()
             reply_type, convert = CONVERT[p.Hello]
-            call = _Call(msg.id, self._encoder().encode(msg), future, reply_type, convert, deadline)
+            call = Call(None, msg.id, self._encoder().encode(msg), reply_type, convert, deadline)
             with self._lock:
                 self._pending[call.id] = call
                 if not channel.write(call.frame, on_loop=True):
                     raise ServiceUnavailable("connection lost during the handshake")
-            futures.append(asyncio.wrap_future(future))
+            futures.append(asyncio.wrap_future(call))
         try:
             replies = await asyncio.wait_for(asyncio.gather(*futures), self._connect_timeout)
         except TimeoutError:
@@ -551,23 +618,6 @@ class ServiceClient:
         self._ready.clear()
         if self._reconnect is not None:
             self._reconnect.cancel()
-        _fail_calls(calls, ClientClosed("the client is closed"))
+        fail_calls(calls, ClientClosed("the client is closed"))
         # Let the reconnect task see its cancellation, then stop the loop.
         self._loop.call_soon(self._loop.stop)
-
-
-def _fail_calls(calls: list[_Call], exc: ServiceError) -> None:
-    for call in calls:
-        _fail(call.future, exc)
-
-
-def _fail(future: Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        with contextlib.suppress(InvalidStateError):
-            future.set_exception(exc)
-
-
-def _resolve(future: Future[Any], value: object) -> None:
-    if not future.done():
-        with contextlib.suppress(InvalidStateError):
-            future.set_result(value)

@@ -1,7 +1,7 @@
 """What kvtier's client returns and raises, and its reconnect policies (re-exported by app.client).
 
-Slots in replies are ``SlotRef`` objects rebuilt from the wire's tuples through a per-client
-``SlotCache``; the conversion functions run on the client's loop thread.
+Replies arrive with their slots already decoded as ``SlotRef`` objects; the conversion functions
+below only wrap them, on whichever thread read the reply (see app.client).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class HealthReply:
     instance_id: str
 
 
-def _hello(msg: p.HelloReply, cache: p.SlotCache) -> HelloReply:
+def _hello(msg: p.HelloReply) -> HelloReply:
     return HelloReply(
         msg.instance_id,
         ArenaInfo(msg.arena_path, msg.arena_size),
@@ -123,35 +123,35 @@ def _hello(msg: p.HelloReply, cache: p.SlotCache) -> HelloReply:
     )
 
 
-def _lookup(msg: p.LookupReply, cache: p.SlotCache) -> LookupReply:
-    return LookupReply(LookupResult(msg.num_hit, msg.tiers, cache.refs(msg.slots)), msg.instance_id)
+def _lookup(msg: p.LookupReply) -> LookupReply:
+    return LookupReply(LookupResult(msg.num_hit, msg.tiers, msg.slots), msg.instance_id)
 
 
-def _stage(msg: p.StageReply, cache: p.SlotCache) -> StageReply:
-    return StageReply(StageResult(cache.refs(msg.slots), msg.tiers, msg.failed), msg.instance_id)
+def _stage(msg: p.StageReply) -> StageReply:
+    return StageReply(StageResult(msg.slots, msg.tiers, msg.failed), msg.instance_id)
 
 
-def _reserve(msg: p.ReserveReply, cache: p.SlotCache) -> ReserveReply:
-    return ReserveReply(cache.refs(msg.slots), msg.instance_id)
+def _reserve(msg: p.ReserveReply) -> ReserveReply:
+    return ReserveReply(msg.slots, msg.instance_id)
 
 
-def _none(msg: p.OkReply, cache: p.SlotCache) -> None:
+def _none(msg: p.OkReply) -> None:
     return None
 
 
-def _count(msg: p.CountReply, cache: p.SlotCache) -> int:
+def _count(msg: p.CountReply) -> int:
     return msg.count
 
 
-def _stats(msg: p.StatsReply, cache: p.SlotCache) -> dict[str, Any]:
+def _stats(msg: p.StatsReply) -> dict[str, Any]:
     return msg.stats
 
 
-def _health(msg: p.HealthReply, cache: p.SlotCache) -> HealthReply:
+def _health(msg: p.HealthReply) -> HealthReply:
     return HealthReply(msg.serving, msg.tiers, msg.instance_id)
 
 
-CONVERT: dict[type, tuple[type, Callable[[Any, p.SlotCache], Any]]] = {
+CONVERT: dict[type, tuple[type, Callable[[Any], Any]]] = {
     p.Hello: (p.HelloReply, _hello),
     p.Lookup: (p.LookupReply, _lookup),
     p.Stage: (p.StageReply, _stage),

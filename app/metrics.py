@@ -1,19 +1,27 @@
 """The service's counters, its Prometheus registry and the JSON shape of `kvtier stats --json`.
 
 Who owns what: the service's event loop owns ServiceMetrics (plain ints bumped on the hot path, no
-locks); the Prometheus registry belongs to one service instance, never the process-global one, and
-reads the store's counters at scrape time instead of keeping a second copy of them.
+locks, latency histograms included: a prometheus_client Histogram takes two locks per observation);
+the Prometheus registry belongs to one service instance, never the process-global one, and reads
+the store's counters and these at scrape time instead of keeping a second copy of them.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from storage.base import StoreStats, Tier
 
@@ -35,7 +43,34 @@ LATENCY_BUCKETS = (
     5.0,
 )
 TIER_LABELS = tuple(t.label for t in Tier)
+_TIERS = tuple(zip(Tier, TIER_LABELS, strict=True))  # iterating an Enum runs Python code each time
 TIMED_CALLS = ("lookup", "stage", "reserve", "commit")
+
+
+class Latency:
+    """One call's latency histogram as plain numbers: a count per LATENCY_BUCKETS bucket (the last
+    one for slower calls) and the seconds they add up to."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+
+    @property
+    def count(self) -> int:
+        """Calls observed."""
+        return sum(self.counts)
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        """The Prometheus histogram family (cumulative buckets, as a Histogram exposes them)."""
+        buckets: list[tuple[str, float]] = []
+        below = 0
+        for bound, n in zip(LATENCY_BUCKETS, self.counts, strict=False):
+            below += n
+            buckets.append((floatToGoString(bound), below))
+        buckets.append(("+Inf", below + self.counts[-1]))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
 
 
 class ServiceMetrics:
@@ -53,32 +88,26 @@ class ServiceMetrics:
         self.connections = 0
         self.connections_total = 0
         self.registry = CollectorRegistry(auto_describe=True)
-        self.histograms = {name: self._histogram(name, f"{name} calls") for name in TIMED_CALLS}
-        self.timing = {name: [0, 0.0] for name in TIMED_CALLS}  # count, seconds (for stats)
-
-    def _histogram(self, name: str, what: str) -> Histogram:
-        return Histogram(
-            f"kvtier_{name}_seconds",
-            f"Service-side latency of {what}.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self.latency = {name: Latency() for name in TIMED_CALLS}
 
     def observe(self, call: str, seconds: float) -> None:
-        """One timed call (lookup, stage or commit), as measured inside the service."""
-        self.histograms[call].observe(seconds)
-        entry = self.timing[call]
-        entry[0] += 1
-        entry[1] += seconds
+        """One timed call (lookup, stage, reserve or commit), as measured inside the service."""
+        latency = self.latency[call]
+        latency.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # buckets are upper bounds (le)
+        latency.total += seconds
 
     def count_hits(self, tiers: list[Tier], chunk_tokens: int) -> None:
         """Add one lookup's hits (the tier of each hit chunk) by tier."""
         self.lookups += 1
-        for tier, label in zip(Tier, TIER_LABELS, strict=True):
+        left = len(tiers)
+        for tier, label in _TIERS:
+            if not left:
+                break
             n = tiers.count(tier)  # C-level scan, cheaper than a Python loop over 64+ hits
             if n:
                 self.hit_chunks[label] += n
                 self.hit_tokens[label] += n * chunk_tokens
+                left -= n
 
     def count_call_error(self, call: str, code: str) -> None:
         """One failed call, by call name and error code."""
@@ -131,7 +160,8 @@ def stats_dict(stats: StoreStats, metrics: ServiceMetrics, instance_id: str) -> 
         "call_errors": {f"{c}:{k}": n for (c, k), n in metrics.call_errors.items()},
         "protocol_errors": dict(metrics.protocol_errors),
         "service_seconds": {
-            name: {"count": count, "sum": round(total, 6)} for name, (count, total) in metrics.timing.items()
+            name: {"count": latency.count, "sum": round(latency.total, 6)}
+            for name, latency in metrics.latency.items()
         },
     }
 
@@ -144,7 +174,7 @@ class StoreCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        """Every kvtier family except the latency histograms (those are registered directly)."""
+        """Every kvtier family."""
         stats, m = self._snapshot(), self._metrics
         yield from _tier_families(stats)
         yield _gauge("kvtier_leases_active", "Leases held by lookups.", stats.leases_active)
@@ -186,6 +216,8 @@ class StoreCollector(Collector):
         for kind, n in m.protocol_errors.items():
             proto.add_metric([kind], n)
         yield proto
+        for name in TIMED_CALLS:
+            yield m.latency[name].family(f"kvtier_{name}_seconds", f"Service-side latency of {name} calls.")
 
 
 def _tier_families(stats: StoreStats) -> Iterator[Metric]:
@@ -229,6 +261,6 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 def build_registry(snapshot: Callable[[], StoreStats], metrics: ServiceMetrics) -> CollectorRegistry:
-    """The service instance's registry: latency histograms plus the scrape-time store collector."""
+    """The service instance's registry: the scrape-time collector of the store's and service's counters."""
     metrics.registry.register(StoreCollector(snapshot, metrics))
     return metrics.registry

@@ -11,6 +11,7 @@ decodes only the types declared here, with bounded sizes, and anything else is a
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Annotated, Final
 
 import msgspec
@@ -23,12 +24,14 @@ HEADER_BYTES: Final = HEADER.size
 # A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
 # bad peer make the service buffer gigabytes.
 MAX_FRAME_BYTES: Final = 8 << 20
+KEEP_BUFFER_BYTES: Final = 1 << 20  # an encoder keeps a buffer this big for the next frame
 
 Hash = Annotated[bytes, msgspec.Meta(max_length=256)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
-# An arena slot on the wire is (offset, length): msgspec encodes a frozen dataclass as a map and
-# decodes it 3x slower than a tuple; both ends turn tuples into SlotRef objects themselves (see
-# slot_tuples / SlotCache), reusing the ones they already hold.
+# An arena slot on the wire is the array [offset, length]. SlotRef is a NamedTuple, which msgspec
+# encodes exactly like a tuple: both ends send the SlotRefs they hold as they are. Replies decode
+# straight into SlotRefs (what the client hands out); requests into plain tuples, 40% faster to
+# decode, which the service only uses to look up the SlotRefs it reserved.
 Slot = tuple[int, int]
 Token = Annotated[str, msgspec.Meta(max_length=4096)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -102,14 +105,14 @@ class Commit(_Msg, tag="commit"):
 
     namespace: Name
     hashes: list[Hash]
-    slots: list[Slot]
+    slots: Sequence[Slot]
     instance_id: Name = ""
 
 
 class Abort(_Msg, tag="abort"):
     """Give reserved slots back unfilled."""
 
-    slots: list[Slot]
+    slots: Sequence[Slot]
     instance_id: Name = ""
 
 
@@ -160,14 +163,14 @@ class LookupReply(_Msg, tag="lookup_ok"):
 
     num_hit: int
     tiers: list[Tier]
-    slots: list[Slot | None]
+    slots: list[SlotRef | None]
     instance_id: str
 
 
 class StageReply(_Msg, tag="stage_ok"):
     """Answer of Stage: a slot per leased chunk (None where missing) and the failed indices."""
 
-    slots: list[Slot | None]
+    slots: list[SlotRef | None]
     tiers: list[Tier]
     failed: list[int]
     instance_id: str
@@ -176,7 +179,7 @@ class StageReply(_Msg, tag="stage_ok"):
 class ReserveReply(_Msg, tag="reserve_ok"):
     """Answer of Reserve: a slot per key, None where stored already or out of space."""
 
-    slots: list[Slot | None]
+    slots: list[SlotRef | None]
     instance_id: str
 
 
@@ -228,22 +231,27 @@ REPLY_TYPES: Final = Reply.__args__
 
 # -------------------------------------------------------------------------------------------- codec
 class FrameEncoder:
-    """Encodes messages into length-prefixed frames, reusing one buffer per call site."""
+    """Encodes messages into length-prefixed frames, reusing one buffer per call site (one thread)."""
 
-    __slots__ = ("_encoder",)
+    __slots__ = ("_buf", "_encoder")
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._buf = bytearray(HEADER_BYTES)  # keeps its capacity: no growing a fresh one per frame
 
     def encode(self, msg: msgspec.Struct) -> bytes:
         """One frame: header and payload."""
-        buf = bytearray(HEADER_BYTES)
+        buf = self._buf
         self._encoder.encode_into(msg, buf, HEADER_BYTES)
         size = len(buf) - HEADER_BYTES
         if size > MAX_FRAME_BYTES:
+            self._buf = bytearray(HEADER_BYTES)
             raise FrameTooLarge(f"message of {size} bytes exceeds the {MAX_FRAME_BYTES} byte frame limit")
         HEADER.pack_into(buf, 0, size)
-        return bytes(buf)
+        frame = bytes(buf)
+        if size > KEEP_BUFFER_BYTES:  # a rare big message: do not hold on to its buffer
+            self._buf = bytearray(HEADER_BYTES)
+        return frame
 
 
 class FrameDecoder:
@@ -267,6 +275,12 @@ class FrameDecoder:
 
     def feed(self, data: bytes | bytearray | memoryview) -> list:
         """Append received bytes and return the messages they complete."""
+        if not self._buf and len(data) > HEADER_BYTES:
+            # The usual case, one whole frame and nothing left over: decode it straight away.
+            (size,) = HEADER.unpack_from(data)
+            if len(data) - HEADER_BYTES == size <= self._max:
+                with memoryview(data) as view:
+                    return [self._decode(view[HEADER_BYTES:], size)]
         if self._buf:
             self._buf += data
             with memoryview(self._buf) as view:
@@ -291,50 +305,17 @@ class FrameDecoder:
             stop = pos + HEADER_BYTES + size
             if stop > end:
                 break
-            try:
-                out.append(self._decoder.decode(view[pos + HEADER_BYTES : stop]))
-            except Exception as exc:
-                # msgspec raises DecodeError/ValidationError, but also UnicodeDecodeError for a
-                # bad tag string (found by the fuzz test): any of them is a malformed frame.
-                raise MalformedFrame(f"undecodable frame of {size} bytes: {exc}") from None
+            out.append(self._decode(view[pos + HEADER_BYTES : stop], size))
             pos = stop
         return out, pos
 
-
-def slot_tuples(slots: list[SlotRef | None]) -> list[Slot | None]:
-    """SlotRefs as the wire carries them."""
-    return [None if s is None else (s.offset, s.length) for s in slots]
-
-
-class SlotCache:
-    """Turns wire slots back into SlotRefs, reusing one object per slot.
-
-    An arena holds few distinct slots (its size over the chunk size), so the cache stays small and
-    most lookups cost one dict hit instead of a dataclass construction; it is dropped when it grows
-    past ``limit`` (many namespaces of odd sizes).
-    """
-
-    __slots__ = ("_cache", "_limit")
-
-    def __init__(self, limit: int = 1 << 16) -> None:
-        self._cache: dict[Slot, SlotRef] = {}
-        self._limit = limit
-
-    def refs(self, raw: list[Slot | None]) -> list[SlotRef | None]:
-        """SlotRef (or None) for each wire slot."""
-        cache = self._cache
-        out: list[SlotRef | None] = []
-        for item in raw:
-            if item is None:
-                out.append(None)
-                continue
-            ref = cache.get(item)
-            if ref is None:
-                if len(cache) >= self._limit:
-                    cache.clear()
-                ref = cache[item] = SlotRef(item[0], item[1])
-            out.append(ref)
-        return out
+    def _decode(self, payload: memoryview, size: int) -> object:
+        try:
+            return self._decoder.decode(payload)
+        except Exception as exc:
+            # msgspec raises DecodeError/ValidationError, but also UnicodeDecodeError for a bad tag
+            # string (found by the fuzz test): any of them is a malformed frame.
+            raise MalformedFrame(f"undecodable frame of {size} bytes: {exc}") from None
 
 
 def request_decoder(max_frame: int = MAX_FRAME_BYTES) -> FrameDecoder:

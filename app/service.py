@@ -22,6 +22,8 @@ from app import protocol as p
 from app.metrics import ServiceMetrics, stats_dict
 from storage.base import (
     ArenaFullError,
+    ImmediateStoreAPI,
+    LookupResult,
     NamespaceSpec,
     SlotRef,
     SlotStateError,
@@ -160,9 +162,28 @@ class Service:
             p.Release: self._release,
             p.Delete: self._delete,
             p.Clear: self._clear,
+            p.Stats: self._in_task,
+            p.Health: self._in_task,
+        }
+        # Calls answered in one step, without a Task, when nothing of the connection is in flight
+        # (see dispatch). Only handlers that never await: a Task costs more than a CPU-tier lookup.
+        # Each answers, or (a lookup that needs a lower tier) returns None having changed nothing.
+        self._now: dict[type, Callable[[Connection, Any], p.Reply | None]] = {
             p.Stats: self._stats,
             p.Health: self._health,
         }
+        if isinstance(store, ImmediateStoreAPI):  # the one-step forms of the store's calls
+            self._immediate = store
+            self._now[p.Lookup] = self._lookup_now
+            for kind, handler in (
+                (p.Reserve, self._reserve_now),
+                (p.Commit, self._commit_now),
+                (p.Abort, self._abort_now),
+                (p.Release, self._release_now),
+            ):
+                self._now[kind] = handler
+                self._handlers[kind] = self._in_task  # queued behind an earlier call: same answer
+        self._names = {kind: kind.__name__.lower() for kind in p.REQUEST_TYPES}
 
     # --------------------------------------------------------------------------- connections
     def attach(self, conn: Connection) -> None:
@@ -236,17 +257,33 @@ class Service:
 
     # --------------------------------------------------------------------------- dispatch
     def dispatch(self, conn: Connection, msg: p.Request) -> None:
-        """Run one call as a Task; the first frame of a connection must be an acceptable Hello.
+        """Answer one call now or run it as a Task; the first frame of a connection must be a Hello.
 
-        Always a real Task: store and tier code uses asyncio.timeout(), which needs a current task
-        (running calls eagerly with coro.send() broke every Redis call).
+        A call is answered in place when its handler cannot wait (a lookup the CPU tier answers
+        alone, a reserve, a commit...) and no earlier call of the connection is still in flight,
+        so replies keep the order the Task path gives them. Everything else is a real Task: store
+        and tier code uses asyncio.timeout(), which needs a current task (running calls eagerly
+        with coro.send() broke every Redis call).
         """
         if not conn.authed and not self._handshake(conn, msg):
             return
-        task = asyncio.get_running_loop().create_task(self._serve(conn, msg))
+        kind = type(msg)
+        name = self._names[kind]
+        calls = self.metrics.calls
+        calls[name] = calls.get(name, 0) + 1
+        now = self._now.get(kind)
+        if now is not None and not conn.inflight and not self.draining:
+            try:
+                reply = now(conn, msg)
+            except Exception as exc:
+                reply = self._failure(conn, name, msg.id, exc)
+            if reply is not None:
+                self._send_reply(conn, name, msg.id, reply)
+                return
+        task = asyncio.get_running_loop().create_task(self._serve(conn, msg, name))
         conn.inflight.add(task)
         task.add_done_callback(lambda t: self._call_done(conn, t))
-        if type(msg) is p.Hello:
+        if kind is p.Hello:
             conn.last_hello = task
 
     def _handshake(self, conn: Connection, msg: p.Request) -> bool:
@@ -277,11 +314,8 @@ class Service:
         if not conn.inflight and conn in self._closing:
             self._start_cleanup(conn)
 
-    async def _serve(self, conn: Connection, msg: Any) -> None:
+    async def _serve(self, conn: Connection, msg: Any, name: str) -> None:
         kind = type(msg)
-        name = kind.__name__.lower()
-        calls = self.metrics.calls
-        calls[name] = calls.get(name, 0) + 1
         try:
             if self.draining:
                 raise CallError(p.ErrorCode.SHUTTING_DOWN, "the service is shutting down")
@@ -290,25 +324,32 @@ class Service:
                 # A namespace registered earlier on this connection must exist before later calls.
                 await asyncio.wait([hello])
             reply = await self._handlers[kind](conn, msg)
-        except CallError as exc:
-            reply = self._error(name, msg.id, exc.code, str(exc))
-        except UnknownNamespaceError as exc:
-            reply = self._error(name, msg.id, p.ErrorCode.UNKNOWN_NAMESPACE, str(exc))
-        except ArenaFullError as exc:
-            reply = self._error(name, msg.id, p.ErrorCode.ARENA_FULL, str(exc))
-        except (ValueError, TypeError, SlotStateError) as exc:
-            log.debug("bad request %s", name, exc_info=True)
-            reply = self._error(name, msg.id, p.ErrorCode.BAD_REQUEST, str(exc))
-        except StorageError as exc:
-            log.warning("storage error in %s: %s", name, exc, extra={"peer": conn.peer})
-            reply = self._error(name, msg.id, p.ErrorCode.INTERNAL, str(exc))
         except Exception as exc:
-            log.exception("internal error in %s", name, extra={"peer": conn.peer})
-            reply = self._error(name, msg.id, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            reply = self._failure(conn, name, msg.id, exc)
+        self._send_reply(conn, name, msg.id, reply)
+
+    def _failure(self, conn: Connection, name: str, req_id: int, exc: Exception) -> p.ErrorReply:
+        """The ErrorReply for a call that raised exc (logged by how unexpected it is)."""
+        if isinstance(exc, CallError):
+            return self._error(name, req_id, exc.code, str(exc))
+        if isinstance(exc, UnknownNamespaceError):
+            return self._error(name, req_id, p.ErrorCode.UNKNOWN_NAMESPACE, str(exc))
+        if isinstance(exc, ArenaFullError):
+            return self._error(name, req_id, p.ErrorCode.ARENA_FULL, str(exc))
+        if isinstance(exc, ValueError | TypeError | SlotStateError):
+            log.debug("bad request %s", name, exc_info=exc)
+            return self._error(name, req_id, p.ErrorCode.BAD_REQUEST, str(exc))
+        if isinstance(exc, StorageError):
+            log.warning("storage error in %s: %s", name, exc, extra={"peer": conn.peer})
+            return self._error(name, req_id, p.ErrorCode.INTERNAL, str(exc))
+        log.error("internal error in %s", name, exc_info=exc, extra={"peer": conn.peer})
+        return self._error(name, req_id, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _send_reply(self, conn: Connection, name: str, req_id: int, reply: p.Reply) -> None:
         try:
             frame = self._encoder.encode(reply)
         except p.ProtocolError as exc:  # a reply over the frame limit
-            frame = self._encoder.encode(self._error(name, msg.id, p.ErrorCode.INTERNAL, str(exc)))
+            frame = self._encoder.encode(self._error(name, req_id, p.ErrorCode.INTERNAL, str(exc)))
         conn.send(frame)
 
     def _error(self, call: str, req_id: int, code: str, message: str) -> p.ErrorReply:
@@ -337,6 +378,14 @@ class Service:
     async def _lookup(self, conn: Connection, msg: p.Lookup) -> p.Reply:
         start = time.perf_counter()
         result = await self.store.lookup(msg.namespace, msg.hashes, msg.lease_id)
+        return self._looked_up(conn, msg, result, start)
+
+    def _lookup_now(self, conn: Connection, msg: p.Lookup) -> p.Reply | None:
+        start = time.perf_counter()
+        result = self._immediate.lookup_now(msg.namespace, msg.hashes, msg.lease_id)
+        return None if result is None else self._looked_up(conn, msg, result, start)
+
+    def _looked_up(self, conn: Connection, msg: p.Lookup, result: LookupResult, start: float) -> p.Reply:
         if result.num_hit:
             self._own_lease(conn, msg.lease_id)
         else:  # the store holds no lease for a miss (it dropped any earlier one)
@@ -346,7 +395,7 @@ class Service:
             id=msg.id,
             num_hit=result.num_hit,
             tiers=result.tiers,
-            slots=p.slot_tuples(result.slots),
+            slots=result.slots,
             instance_id=self.instance_id,
         )
         self.metrics.observe("lookup", time.perf_counter() - start)
@@ -357,7 +406,7 @@ class Service:
         result = await self.store.stage(msg.lease_id)
         reply = p.StageReply(
             id=msg.id,
-            slots=p.slot_tuples(result.slots),
+            slots=result.slots,
             tiers=result.tiers,
             failed=result.failed,
             instance_id=self.instance_id,
@@ -370,6 +419,11 @@ class Service:
         self._disown_lease(msg.lease_id)
         return p.OkReply(id=msg.id)
 
+    def _release_now(self, conn: Connection, msg: p.Release) -> p.Reply:
+        self._immediate.release_now(msg.lease_id)
+        self._disown_lease(msg.lease_id)
+        return p.OkReply(id=msg.id)
+
     def _disown_lease(self, lease_id: str) -> None:
         entry = self._leases.pop(lease_id, None)
         if entry is not None:
@@ -377,43 +431,83 @@ class Service:
 
     async def _reserve(self, conn: Connection, msg: p.Reserve) -> p.Reply:
         start = time.perf_counter()
-        slots = await self.store.reserve(msg.namespace, msg.hashes)
-        owned = self._slots
+        return self._reserved(conn, msg, await self.store.reserve(msg.namespace, msg.hashes), start)
+
+    def _reserve_now(self, conn: Connection, msg: p.Reserve) -> p.Reply:
+        start = time.perf_counter()
+        return self._reserved(conn, msg, self._immediate.reserve_now(msg.namespace, msg.hashes), start)
+
+    def _reserved(
+        self, conn: Connection, msg: p.Reserve, slots: list[SlotRef | None], start: float
+    ) -> p.Reply:
+        owned, mine = self._slots, conn.slots
         for ref in slots:
             if ref is not None:
                 owned[ref.offset] = (ref, conn)
-                conn.slots.add(ref.offset)
+                mine.add(ref.offset)
         self.metrics.observe("reserve", time.perf_counter() - start)
-        return p.ReserveReply(id=msg.id, slots=p.slot_tuples(slots), instance_id=self.instance_id)
+        return p.ReserveReply(id=msg.id, slots=slots, instance_id=self.instance_id)
 
     async def _commit(self, conn: Connection, msg: p.Commit) -> p.Reply:
         start = time.perf_counter()
+        hashes, slots = self._to_commit(msg)
+        if slots:
+            await self.store.commit(msg.namespace, hashes, slots)
+            self._disown(slots)  # only now: a refused commit leaves them owned
+        return self._committed(msg, len(slots), start)
+
+    def _commit_now(self, conn: Connection, msg: p.Commit) -> p.Reply:
+        start = time.perf_counter()
+        hashes, slots = self._to_commit(msg)
+        if slots:
+            self._immediate.commit_now(msg.namespace, hashes, slots)
+            self._disown(slots)  # only now: a refused commit leaves them owned
+        return self._committed(msg, len(slots), start)
+
+    def _to_commit(self, msg: p.Commit) -> tuple[list[bytes], list[SlotRef]]:
+        """The hashes and reserved SlotRefs of a commit, leaving out slots no longer reserved."""
         self._check_instance(msg.instance_id)
         if len(msg.hashes) != len(msg.slots):
             raise CallError(p.ErrorCode.BAD_REQUEST, "commit needs one slot per hash")
-        pairs = [(h, ref) for h, s in zip(msg.hashes, msg.slots, strict=True) if (ref := self._owned(s))]
-        if pairs:
-            slots = [ref for _, ref in pairs]
-            await self.store.commit(msg.namespace, [h for h, _ in pairs], slots)
-            self._disown(slots)  # only now: a refused commit leaves them owned
+        owned = self._slots
+        hashes: list[bytes] = []
+        slots: list[SlotRef] = []
+        for h, (offset, length) in zip(msg.hashes, msg.slots, strict=True):
+            entry = owned.get(offset)
+            if entry is not None and entry[0].length == length:
+                hashes.append(h)
+                slots.append(entry[0])
+        return hashes, slots
+
+    def _committed(self, msg: p.Commit, committed: int, start: float) -> p.Reply:
         self.metrics.observe("commit", time.perf_counter() - start)
-        if len(pairs) != len(msg.slots):
+        if committed != len(msg.slots):
             raise CallError(
                 p.ErrorCode.BAD_REQUEST,
-                f"{len(msg.slots) - len(pairs)} of {len(msg.slots)} slots were not reserved "
+                f"{len(msg.slots) - committed} of {len(msg.slots)} slots were not reserved "
                 "(already committed or aborted, or their connection closed); the others were "
                 "committed",
             )
         return p.OkReply(id=msg.id)
 
     async def _abort(self, conn: Connection, msg: p.Abort) -> p.Reply:
-        self._check_instance(msg.instance_id)
-        unique = {ref.offset: ref for s in msg.slots if (ref := self._owned(s))}
-        if unique:
-            slots = list(unique.values())
+        slots = self._to_abort(msg)
+        if slots:
             await self.store.abort(slots)
             self._disown(slots)
         return p.OkReply(id=msg.id)
+
+    def _abort_now(self, conn: Connection, msg: p.Abort) -> p.Reply:
+        slots = self._to_abort(msg)
+        if slots:
+            self._immediate.abort_now(slots)
+            self._disown(slots)
+        return p.OkReply(id=msg.id)
+
+    def _to_abort(self, msg: p.Abort) -> list[SlotRef]:
+        """The reserved SlotRefs an abort names, once each."""
+        self._check_instance(msg.instance_id)
+        return list({ref.offset: ref for s in msg.slots if (ref := self._owned(s))}.values())
 
     def _owned(self, slot: p.Slot) -> SlotRef | None:
         """The reserved SlotRef a wire slot names, unless committed or aborted since (or unknown)."""
@@ -421,8 +515,9 @@ class Service:
         return entry[0] if entry is not None and entry[0].length == slot[1] else None
 
     def _disown(self, slots: list[SlotRef]) -> None:
+        owned = self._slots
         for slot in slots:
-            entry = self._slots.pop(slot.offset, None)
+            entry = owned.pop(slot.offset, None)
             if entry is not None:
                 entry[1].slots.discard(slot.offset)
 
@@ -436,10 +531,16 @@ class Service:
             raise CallError(p.ErrorCode.BAD_REQUEST, f"unknown tier: {exc}") from None
         return p.CountReply(id=msg.id, count=await self.store.clear(tiers))
 
-    async def _stats(self, conn: Connection, msg: p.Stats) -> p.Reply:
+    async def _in_task(self, conn: Connection, msg: Any) -> p.Reply:
+        """A call with a one-step handler that never declines, run as a Task all the same."""
+        reply = self._now[type(msg)](conn, msg)
+        assert reply is not None
+        return reply
+
+    def _stats(self, conn: Connection, msg: p.Stats) -> p.Reply:
         return p.StatsReply(id=msg.id, stats=self.stats())
 
-    async def _health(self, conn: Connection, msg: p.Health) -> p.Reply:
+    def _health(self, conn: Connection, msg: p.Health) -> p.Reply:
         serving, tiers = self.health()
         return p.HealthReply(id=msg.id, serving=serving, instance_id=self.instance_id, tiers=tiers)
 

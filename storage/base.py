@@ -278,3 +278,28 @@ class StoreAPI(Protocol):
 
     async def close(self, drain_timeout: float = 5.0) -> None:
         """Drain queued writes within the timeout, then release tiers and the arena."""
+
+
+@runtime_checkable
+class ImmediateStoreAPI(Protocol):
+    """Optional one-step forms of StoreAPI calls that never need to wait (TieredStore has them).
+
+    Each does what its async namesake does, without awaiting, so the service can answer it at once
+    instead of running a Task. ``lookup_now`` returns None, having changed nothing, when a lower
+    tier must be asked; the caller then uses ``lookup``.
+    """
+
+    def lookup_now(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult | None:
+        """lookup() in one step when the CPU tier alone decides it; None (nothing changed) otherwise."""
+
+    def release_now(self, lease_id: str) -> None:
+        """release() in one step."""
+
+    def reserve_now(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
+        """reserve() in one step."""
+
+    def commit_now(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
+        """commit() in one step."""
+
+    def abort_now(self, slots: list[SlotRef]) -> None:
+        """abort() in one step."""

@@ -7,8 +7,9 @@ tier's knowledge, passed in as a predicate, so the same policy serves the CPU an
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from itertools import repeat
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -49,6 +50,30 @@ class LRUPolicy(Generic[K]):
         self._order.move_to_end(key)
         return True
 
+    def touch_many(self, keys: Sequence[K]) -> None:
+        """touch() each key in order; keys not tracked are skipped."""
+        try:
+            # One C-level pass (map + a zero-length deque) instead of a Python call per key: the
+            # lookup of a long prompt touches every chunk it hits.
+            deque(map(self._order.move_to_end, keys), maxlen=0)
+        except KeyError:
+            # Some key is not tracked: start over one by one. Touching a key again keeps the same
+            # final order, so the keys the first pass already moved end up where they should.
+            for key in keys:
+                self.touch(key)
+
+    def add_new(self, keys: Sequence[K], nbytes: int) -> None:
+        """add() each key in order, all of nbytes size; one C-level pass when none is tracked yet."""
+        if nbytes < 0:
+            raise ValueError(f"negative size {nbytes}")
+        order = self._order
+        if len(set(keys)) != len(keys) or any(map(order.__contains__, keys)):
+            for key in keys:  # re-adding moves a key: only add() itself does that
+                self.add(key, nbytes)
+            return
+        order.update(zip(keys, repeat(nbytes)))
+        self._bytes += nbytes * len(keys)
+
     def remove(self, key: K) -> bool:
         """Stop tracking key; False when it was not tracked."""
         nbytes = self._order.pop(key, None)
@@ -56,6 +81,10 @@ class LRUPolicy(Generic[K]):
             return False
         self._bytes -= nbytes
         return True
+
+    def remove_many(self, keys: Iterable[K]) -> None:
+        """Stop tracking keys, every one of them tracked (KeyError otherwise)."""
+        self._bytes -= sum(map(self._order.pop, keys))
 
     def iter_lru(self) -> Iterator[K]:
         """Keys from least to most recently used (do not mutate while iterating)."""

@@ -14,8 +14,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from storage.base import ChunkKey, SlotRef, Tier
+from storage.base import ChunkKey, Tier
+
+if TYPE_CHECKING:
+    from storage.tiers.cpu import CpuEntry
 
 Clock = Callable[[], float]
 
@@ -24,14 +28,15 @@ Clock = Callable[[], float]
 class Lease:
     """The chunks one lookup found: per index its key, the tier that held it and the pins taken.
 
-    ``slots[i]`` is the CPU slot this lease pins for chunk i (a CPU hit, or a promoted lower-tier
-    hit); ``lower_pinned[i]`` says whether chunk i is pinned in its lower tier instead.
+    ``pinned[i]`` is the CPU chunk this lease pins for chunk i (a CPU hit, or a promoted lower-tier
+    hit), kept as the CPU tier's entry so that unpinning needs no lookup; ``lower_pinned[i]`` says
+    whether chunk i is pinned in its lower tier instead.
     """
 
     lease_id: str
     keys: list[ChunkKey]
     tiers: list[Tier]
-    slots: list[SlotRef | None]
+    pinned: list[CpuEntry | None]
     lower_pinned: list[bool]
     expires_at: float
     failed: set[int] = field(default_factory=set)
@@ -61,11 +66,11 @@ class LeaseTable:
         lease_id: str,
         keys: list[ChunkKey],
         tiers: list[Tier],
-        slots: list[SlotRef | None],
+        pinned: list[CpuEntry | None],
         lower_pinned: list[bool],
     ) -> Lease:
         """A lease expiring ttl from now (not yet in the table)."""
-        return Lease(lease_id, keys, tiers, slots, lower_pinned, self._clock() + self.ttl)
+        return Lease(lease_id, keys, tiers, pinned, lower_pinned, self._clock() + self.ttl)
 
     def put(self, lease: Lease) -> Lease | None:
         """Add lease; returns the lease it replaced (same id), which the caller must unpin."""

@@ -23,7 +23,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from itertools import repeat
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from storage.arena import Arena, SlotAllocator
 from storage.base import (
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+# Builds a NamedTuple (ChunkKey, _Reservation) in C: their own __new__ is Python code, which a
+# 64-chunk call would run 64 times.
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +78,7 @@ class StoreConfig:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Reservation:
+class _Reservation(NamedTuple):  # a NamedTuple: a frozen dataclass is 3x slower to build
     key: ChunkKey
     slot: SlotRef
 
@@ -172,29 +175,69 @@ class TieredStore:
     # ------------------------------------------------------------------------------------ lookup
     async def lookup(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult:
         """Count leading stored chunks, say which tier holds each, and lease them under lease_id."""
-        self._spec(namespace)
+        spec = self._spec(namespace)
         self._expire()
-        keys = chunk_keys(namespace, hashes)
-        tiers: list[Tier | None] = [None] * len(keys)
-        slots: list[SlotRef | None] = [None] * len(keys)
-        for i, key in enumerate(keys):
-            slot = self._cpu.get(key)
-            if slot is not None:
-                self._cpu.pin(slot)  # held across the lower-tier awaits, trimmed below
-                tiers[i], slots[i] = Tier.CPU, slot
+        entries = self._cpu.entries(namespace, hashes)
+        if not self._lower or None not in entries:
+            return self._lease_cpu_prefix(spec, lease_id, entries)
+        return await self._lookup_lower(namespace, hashes, lease_id, entries)
+
+    def lookup_now(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult | None:
+        """lookup() in one step when the CPU tier alone decides it; None (nothing changed) otherwise."""
+        spec = self._spec(namespace)
+        entries = self._cpu.entries(namespace, hashes)
+        if self._lower and None in entries:
+            return None  # a lower tier must be asked: only lookup() can wait for it
+        self._expire()
+        return self._lease_cpu_prefix(spec, lease_id, entries)
+
+    def _lease_cpu_prefix(
+        self, spec: NamespaceSpec, lease_id: str, entries: list[CpuEntry | None]
+    ) -> LookupResult:
+        """Lease the CPU hits before the first None of entries (no lower tier can extend them).
+
+        The same books as the general path, batched: a lookup of a long prompt is the service's
+        hottest call, so nothing here does Python work per chunk that C can do instead.
+        """
+        cpu = self._cpu
+        num_hit = entries.index(None) if None in entries else len(entries)
+        pinned = entries[:num_hit]
+        hits = cast("list[CpuEntry]", pinned)  # no None before num_hit
+        cpu.count_lookup(num_hit, num_hit * spec.chunk_bytes, min(num_hit + 1, len(entries)) - num_hit)
+        slots: list[SlotRef | None] = [e.slot for e in hits]
+        old: Lease | None
+        if num_hit:
+            cpu.pin_entries(hits)
+            keys = [e.key for e in hits]
+            cpu.touch_entries(hits)
+            if self._writeback is not None:
+                for entry in hits:
+                    self._persist(entry)  # 'on_reuse' trigger; retries a dropped write
+            tiers = [Tier.CPU] * num_hit
+            old = self._leases.put(self._leases.new(lease_id, keys, tiers, pinned, [False] * num_hit))
+        else:
+            old = self._leases.pop(lease_id)
+        if old is not None:
+            self._unpin_lease(old)
+        return LookupResult(num_hit, [Tier.CPU] * num_hit, slots)
+
+    async def _lookup_lower(
+        self, namespace: str, hashes: list[bytes], lease_id: str, entries: list[CpuEntry | None]
+    ) -> LookupResult:
+        """lookup() when lower tiers may hold chunks the CPU tier lacks."""
+        keys = _chunk_keys(namespace, hashes)
+        tiers: list[Tier | None] = [None if e is None else Tier.CPU for e in entries]
+        held = [e for e in entries if e is not None]
+        self._cpu.pin_entries(held)  # held across the lower-tier awaits, trimmed below
         try:
             await self._probe_lower(keys, tiers)
         except BaseException:
-            for slot in slots:
-                if slot is not None:
-                    self._cpu.unpin(slot)
+            self._cpu.unpin_entries(held)
             raise
         num_hit = next((i for i, t in enumerate(tiers) if t is None), len(keys))
-        for slot in slots[num_hit:]:
-            if slot is not None:
-                self._cpu.unpin(slot)
+        self._cpu.unpin_entries(e for e in entries[num_hit:] if e is not None)
         hit_tiers = [t for t in tiers[:num_hit] if t is not None]
-        hit_slots = slots[:num_hit]
+        hits = entries[:num_hit]
         self._count_cpu_lookup(keys, hit_tiers, len(keys))
         for key, tier in zip(keys, hit_tiers, strict=False):  # keys may run past the prefix
             if tier is Tier.CPU:
@@ -203,15 +246,13 @@ class TieredStore:
         lower_pinned = self._pin_lower(keys[:num_hit], hit_tiers)
         old: Lease | None
         if num_hit:
-            lease = self._leases.new(
-                lease_id, keys[:num_hit], hit_tiers, list(hit_slots), lower_pinned
-            )
+            lease = self._leases.new(lease_id, keys[:num_hit], hit_tiers, hits, lower_pinned)
             old = self._leases.put(lease)
         else:
             old = self._leases.pop(lease_id)
         if old is not None:
             self._unpin_lease(old)
-        return LookupResult(num_hit, hit_tiers, list(hit_slots))
+        return LookupResult(num_hit, hit_tiers, [None if e is None else e.slot for e in hits])
 
     async def _probe_lower(self, keys: list[ChunkKey], tiers: list[Tier | None]) -> None:
         """Fill tiers[i] for keys missing so far, one batched contains_many per lower tier."""
@@ -256,12 +297,13 @@ class TieredStore:
 
     def _unpin_lease(self, lease: Lease) -> None:
         """Drop every pin lease holds; clears its books so a second call does nothing."""
+        held = [e for e in lease.pinned if e is not None]
+        lease.pinned[:] = [None] * len(lease.pinned)
+        self._cpu.unpin_entries(held)
+        if True not in lease.lower_pinned:  # the usual lease: CPU hits only
+            return
         by_tier: dict[Tier, list[ChunkKey]] = {}
         for i, key in enumerate(lease.keys):
-            slot = lease.slots[i]
-            if slot is not None:
-                lease.slots[i] = None
-                self._cpu.unpin(slot)
             if lease.lower_pinned[i]:
                 lease.lower_pinned[i] = False
                 by_tier.setdefault(lease.tiers[i], []).append(key)
@@ -276,6 +318,10 @@ class TieredStore:
 
     async def release(self, lease_id: str) -> None:
         """End a lease (idempotent)."""
+        self.release_now(lease_id)
+
+    def release_now(self, lease_id: str) -> None:
+        """release() in one step."""
         self._check_open()
         lease = self._leases.pop(lease_id)
         if lease is not None:
@@ -293,10 +339,10 @@ class TieredStore:
         self._leases.renew(lease)
         tasks: set[asyncio.Task[None]] = set()
         for i in range(len(lease)):
-            if lease.slots[i] is not None or i in lease.failed:
+            if lease.pinned[i] is not None or i in lease.failed:
                 continue
             key = lease.keys[i]
-            existing = self._cpu.get(key)
+            existing = self._cpu.entry(key)
             if existing is not None:  # saved or promoted by someone else since the lookup
                 self._adopt(lease, i, existing)
                 continue
@@ -315,7 +361,8 @@ class TieredStore:
             await asyncio.wait(tasks)
         if not self._leases.is_current(lease):
             return StageResult([], [], [])  # released or replaced meanwhile: its slots are not held
-        return StageResult(list(lease.slots), list(lease.tiers), sorted(lease.failed))
+        slots = [None if e is None else e.slot for e in lease.pinned]
+        return StageResult(slots, list(lease.tiers), sorted(lease.failed))
 
     async def _promote(self, promo: _Promotion) -> None:
         """Read one chunk from its lower tier into a fresh slot and make it a CPU chunk."""
@@ -334,7 +381,7 @@ class TieredStore:
                 self._cpu.commit(key, slot, persisted=True)  # frees slot if key arrived meanwhile
             elif slot is not None:
                 self._cpu.free(slot)
-            held = self._cpu.get(key)
+            held = self._cpu.entry(key)
             for lease, i in promo.waiters:
                 if held is not None:
                     self._adopt(lease, i, held)
@@ -352,12 +399,12 @@ class TieredStore:
             with contextlib.suppress(BufferError):
                 view.release()
 
-    def _adopt(self, lease: Lease, i: int, slot: SlotRef) -> None:
-        """Chunk i of lease now lives in CPU slot: the lease pins it there instead of below."""
+    def _adopt(self, lease: Lease, i: int, entry: CpuEntry) -> None:
+        """Chunk i of lease now lives in a CPU slot: the lease pins it there instead of below."""
         if not self._leases.is_current(lease):
             return  # released meanwhile: its pins are gone, the promoted chunk stays unpinned
-        self._cpu.pin(slot)
-        lease.slots[i] = slot
+        self._cpu.pin_entries((entry,))
+        lease.pinned[i] = entry
         if lease.lower_pinned[i]:
             lease.lower_pinned[i] = False
             self._unpin_lower(lease.tiers[i], [lease.keys[i]])
@@ -376,61 +423,86 @@ class TieredStore:
 
         Dedup: see the module docstring. A None for lack of space is counted in reserve_dropped.
         """
+        return self.reserve_now(namespace, hashes)
+
+    def reserve_now(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
+        """reserve() in one step."""
         spec = self._spec(namespace)
         self._expire()
-        out: list[SlotRef | None] = []
-        for key in chunk_keys(namespace, hashes):
-            if key in self._cpu or key in self._reserving or self._write_pending(key):
-                out.append(None)
-                continue
-            slot = self._cpu.reserve(spec.chunk_bytes)
+        keys = _chunk_keys(namespace, hashes)
+        stored = self._cpu.entries(namespace, hashes)
+        reserving, reserved = self._reserving, self._reserved
+        queued = self._writeback.pending if self._writeback is not None else None
+        out: list[SlotRef | None] = [None] * len(keys)
+        wanted: dict[ChunkKey, int] = {}  # key -> index of its first occurrence in this call
+        again: list[ChunkKey] = []  # later occurrences: they get a slot only if the first did not
+        for i, key in enumerate(keys):
+            if key in wanted:
+                again.append(key)
+            elif stored[i] is None and key not in reserving and (queued is None or not queued(key)):
+                wanted[key] = i
+        slots = self._cpu.reserve_many(spec.chunk_bytes, len(wanted))
+        for (key, i), slot in zip(wanted.items(), slots, strict=True):
             if slot is None:
                 self._reserve_dropped += 1
-                out.append(None)
                 continue
-            self._reserved[slot.offset] = _Reservation(key, slot)
-            self._reserving[key] = slot.offset
-            out.append(slot)
+            reserved[slot.offset] = _new_tuple(_Reservation, (key, slot))
+            reserving[key] = slot.offset
+            out[i] = slot
+        # A repeat of a key whose first occurrence found no space would have found none either.
+        self._reserve_dropped += sum(1 for key in again if out[wanted[key]] is None)
         return out
 
     async def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
         """Publish filled slots into the CPU tier; queue them for lower tiers per write policy."""
+        self.commit_now(namespace, hashes, slots)
+
+    def commit_now(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
+        """commit() in one step."""
         self._spec(namespace)
         if len(hashes) != len(slots):
             raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots")
-        keys = chunk_keys(namespace, hashes)
-        self._check_reserved(slots, keys)
-        for key, slot in zip(keys, slots, strict=True):
-            self._unreserve(slot)
-            entry = self._cpu.commit(key, slot)
-            if self._cfg.write_policy == "through":
+        keys = self._check_reserved(slots, namespace, hashes)
+        self._unreserve(slots)
+        entries = self._cpu.commit_many(keys, slots)
+        if self._cfg.write_policy == "through" and self._writeback is not None:
+            for entry in entries:
                 self._persist(entry)
 
     async def abort(self, slots: list[SlotRef]) -> None:
         """Give reserved slots back unfilled."""
+        self.abort_now(slots)
+
+    def abort_now(self, slots: list[SlotRef]) -> None:
+        """abort() in one step."""
         self._check_open()
-        self._check_reserved(slots, None)
+        self._check_reserved(slots)
+        self._unreserve(slots)
         for slot in slots:
-            self._unreserve(slot)
             self._cpu.free(slot)
 
-    def _check_reserved(self, slots: list[SlotRef], keys: list[ChunkKey] | None) -> None:
-        """Raise before changing anything when any slot is not reserved (for its key)."""
+    def _check_reserved(
+        self, slots: list[SlotRef], namespace: str = "", hashes: list[bytes] | None = None
+    ) -> list[ChunkKey]:
+        """The keys slots are reserved for (each for its hash, when given); raises before changing
+        anything when one is not."""
+        reserved = self._reserved
+        keys: list[ChunkKey] = []
         seen: set[int] = set()
         for i, slot in enumerate(slots):
-            res = self._reserved.get(slot.offset)
+            res = reserved.get(slot.offset)
             if res is None or res.slot != slot or slot.offset in seen:
                 raise SlotStateError(f"{slot} is not a reserved slot")
-            if keys is not None and res.key != keys[i]:
+            if hashes is not None and res.key != (namespace, hashes[i]):
                 raise SlotStateError(f"{slot} was reserved for another chunk")
             seen.add(slot.offset)
+            keys.append(res.key)  # the reservation's own key: no new key object per chunk
+        return keys
 
-    def _unreserve(self, slot: SlotRef) -> None:
-        res = self._reserved.pop(slot.offset)
-        del self._reserving[res.key]
-
-    def _write_pending(self, key: ChunkKey) -> bool:
-        return self._writeback is not None and self._writeback.pending(key)
+    def _unreserve(self, slots: list[SlotRef]) -> None:
+        reserved, reserving = self._reserved, self._reserving
+        for slot in slots:
+            del reserving[reserved.pop(slot.offset).key]
 
     def _persist(self, entry: CpuEntry | None) -> None:
         """Queue a CPU chunk for the lower tiers once; its slot stays pinned until written."""
@@ -543,6 +615,17 @@ class TieredStore:
         for task in pending:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _chunk_keys(namespace: str, hashes: list[bytes]) -> list[ChunkKey]:
+    """chunk_keys(), built in C when every hash is bytes already (as the service decodes them).
+
+    A NamedTuple's own __new__ is Python code: a 64-chunk reserve spent more time building its
+    keys than using them. tuple.__new__ builds the same ChunkKey without it (see _new_tuple).
+    """
+    if set(map(type, hashes)) <= {bytes}:
+        return cast("list[ChunkKey]", list(map(_new_tuple, repeat(ChunkKey), zip(repeat(namespace), hashes))))
+    return chunk_keys(namespace, hashes)
 
 
 async def build_store(settings: KVTierSettings, clock: Clock = time.monotonic) -> TieredStore:

@@ -1,9 +1,12 @@
 """CPU tier: the arena's committed slots, indexed by chunk key, evicted LRU by bytes.
 
 Who owns what: the service's event loop owns this object (no locks). It owns the slot allocator, the
-index key -> entry, the LRU order and the pin counts. Pins are counted per slot, not per key,
-because a deleted or replaced chunk's slot must stay untouched while a lease or a queued write still
-uses it: such a slot leaves the index at once and goes back to the allocator when its last pin goes.
+index key -> entry, the LRU order and the pin counts. The index is keyed by namespace, then prefix
+hash, so a lookup probes it with the hashes it was given, without building a key per chunk; the LRU
+order holds the entries themselves, which hash by identity, cheaper than a key. Pins are counted
+per slot, not per key, because a deleted or replaced chunk's slot must stay untouched while a lease
+or a queued write still uses it: such a slot leaves the index at once and goes back to the allocator
+when its last pin goes.
 
 Zero copy: ``commit`` publishes the slot a worker filled; no byte is moved.
 """
@@ -11,6 +14,7 @@ Zero copy: ``commit`` publishes the slot a worker filled; no byte is moved.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from storage.arena import SlotAllocator
@@ -18,7 +22,7 @@ from storage.base import ChunkKey, SlotRef, SlotStateError, Tier, TierStats
 from storage.eviction import LRUPolicy
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one slot's state: compared and hashed by identity, cheaply
 class CpuEntry:
     """A committed chunk: its slot, how many holders pin it, and whether lower tiers have it."""
 
@@ -36,31 +40,49 @@ class CpuTier:
 
     def __init__(self, allocator: SlotAllocator) -> None:
         self._alloc = allocator
-        self._index: dict[ChunkKey, CpuEntry] = {}
+        self._index: dict[str, dict[bytes, CpuEntry]] = {}  # namespace -> prefix hash -> entry
+        self._count = 0
         self._by_offset: dict[int, CpuEntry] = {}
-        self._lru: LRUPolicy[ChunkKey] = LRUPolicy()
+        self._lru: LRUPolicy[CpuEntry] = LRUPolicy()
         self._stats = TierStats(capacity=allocator.capacity)
         self._bytes = 0
 
     # ------------------------------------------------------------------------------------ reading
     def __len__(self) -> int:
-        return len(self._index)
+        return self._count
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        return isinstance(key, tuple) and len(key) == 2 and self.entry(ChunkKey(*key)) is not None
 
     def entry(self, key: ChunkKey) -> CpuEntry | None:
         """The indexed entry of key, or None."""
-        return self._index.get(key)
+        chunks = self._index.get(key[0])
+        return None if chunks is None else chunks.get(key[1])
+
+    def entries(self, namespace: str, hashes: Sequence[bytes]) -> list[CpuEntry | None]:
+        """The indexed entry of each chunk of namespace named by hashes, or None (no stats, no LRU)."""
+        chunks = self._index.get(namespace)
+        if chunks is None:
+            return [None] * len(hashes)
+        try:
+            return list(map(chunks.get, hashes))  # one C-level pass, no key object per chunk
+        except TypeError:  # unhashable hashes (bytearray): keys hold bytes, and bytes() costs a call
+            return list(map(chunks.get, map(bytes, hashes)))
 
     def get(self, key: ChunkKey) -> SlotRef | None:
         """The slot of key, or None (no stats, no LRU change)."""
-        entry = self._index.get(key)
+        entry = self.entry(key)
         return entry.slot if entry is not None else None
 
     def touch(self, key: ChunkKey) -> None:
         """Mark key most recently used."""
-        self._lru.touch(key)
+        entry = self.entry(key)
+        if entry is not None:
+            self._lru.touch(entry)
+
+    def touch_entries(self, entries: Sequence[CpuEntry]) -> None:
+        """Mark these indexed entries most recently used, in order."""
+        self._lru.touch_many(entries)
 
     def count_lookup(self, hits: int, hit_bytes: int, misses: int) -> None:
         """Add one lookup's hits and misses of this tier."""
@@ -84,11 +106,47 @@ class CpuTier:
                 return slot
             # Fragmentation can leave free bytes without a fitting hole: evict at least one chunk.
             need = max(self._alloc.extent(length) - self._alloc.free_bytes, 1)
-            victims = self._lru.victims(need, self._is_pinned)
+            victims = self._lru.victims(need, _pinned)
             if not victims:
                 return None
-            for key in victims:
-                self._evict(key)
+            for entry in victims:
+                self._evict(entry)
+
+    def reserve_many(self, length: int, count: int) -> list[SlotRef | None]:
+        """count slots as count reserve() calls would give them: those that cannot be had are None."""
+        alloc = self._alloc
+        need = alloc.extent(length)
+        if need > alloc.capacity:
+            return [None] * count
+        out: list[SlotRef | None] = []
+        short = count * need - alloc.free_bytes
+        if short > 0:
+            # Evict for the whole batch in one LRU scan: the victims reserve() would pick one by one.
+            # A victim's slot of the very length wanted is handed on as it is, without a round trip
+            # through the allocator. When the unpinned chunks cannot cover it all, nothing goes here
+            # and the loop below evicts what it can per slot, as reserve() does.
+            self._evict_for(self._lru.victims(short, _pinned), length, count, out)
+        for _ in range(count - len(out)):
+            slot = alloc.alloc(length)
+            out.append(slot if slot is not None else self.reserve(length))  # fragmented or full
+        return out
+
+    def _evict_for(self, victims: list[CpuEntry], length: int, count: int, out: list[SlotRef | None]) -> None:
+        """Evict unpinned victims, appending to out (up to count) the slots of length they free."""
+        self._lru.remove_many(victims)
+        index, by_offset, alloc = self._index, self._by_offset, self._alloc
+        for entry in victims:
+            key, slot = entry.key, entry.slot
+            del index[key.namespace][key.prefix_hash]
+            del by_offset[slot.offset]
+            entry.indexed = False
+            if slot.length == length and len(out) < count:
+                out.append(slot)  # handed on as it is, without a round trip through the allocator
+            else:
+                alloc.free(slot)
+        self._count -= len(victims)
+        self._bytes -= sum(e.slot.length for e in victims)
+        self._stats.evictions += len(victims)
 
     def free(self, slot: SlotRef) -> None:
         """Give back a reserved, never committed slot."""
@@ -98,21 +156,52 @@ class CpuTier:
 
     def commit(self, key: ChunkKey, slot: SlotRef, *, persisted: bool = False) -> CpuEntry:
         """Publish a filled reserved slot as key's chunk; if key is already held, slot is freed."""
-        if not self._alloc.is_allocated(slot) or slot.offset in self._by_offset:
-            raise SlotStateError(f"{slot} is not a reserved slot")
-        existing = self._index.get(key)
-        if existing is not None:
-            self._alloc.free(slot)
-            self._lru.touch(key)
-            return existing
-        entry = CpuEntry(key, slot, persisted=persisted)
-        self._index[key] = entry
-        self._by_offset[slot.offset] = entry
-        self._lru.add(key, self._alloc.extent(slot.length))
-        self._bytes += slot.length
-        self._stats.stores += 1
-        self._stats.bytes_written += slot.length
-        return entry
+        return self.commit_many([key], [slot], persisted=persisted)[0]
+
+    def commit_many(
+        self, keys: Sequence[ChunkKey], slots: Sequence[SlotRef], *, persisted: bool = False
+    ) -> list[CpuEntry]:
+        """commit() each key with its slot, in order; returns each key's entry."""
+        alloc, by_offset = self._alloc, self._by_offset
+        out: list[CpuEntry] = []
+        fresh: list[CpuEntry] = []  # new entries of one length, put in the LRU order together
+        length = -1
+        namespace, chunks = None, {}  # a batch has one namespace: look its index up once
+        for key, slot in zip(keys, slots, strict=True):
+            if not alloc.is_allocated(slot) or slot.offset in by_offset:
+                self._publish(fresh)
+                raise SlotStateError(f"{slot} is not a reserved slot")
+            if key.namespace != namespace:
+                namespace, chunks = key.namespace, self._index.setdefault(key.namespace, {})
+            existing = chunks.get(key.prefix_hash)
+            if existing is not None:
+                alloc.free(slot)
+                self._publish(fresh)  # first: the LRU order is that of one commit() after another
+                self._lru.touch(existing)
+                out.append(existing)
+                continue
+            if slot.length != length:
+                self._publish(fresh)
+                length = slot.length
+            entry = CpuEntry(key, slot, 0, persisted)
+            chunks[key.prefix_hash] = entry
+            by_offset[slot.offset] = entry
+            fresh.append(entry)
+            out.append(entry)
+        self._publish(fresh)
+        return out
+
+    def _publish(self, fresh: list[CpuEntry]) -> None:
+        """Put indexed entries of one slot length in the LRU order and the counters; empties fresh."""
+        if not fresh:
+            return
+        n, length = len(fresh), fresh[0].slot.length
+        self._lru.add_new(fresh, self._alloc.extent(length))
+        self._count += n
+        self._bytes += n * length
+        self._stats.stores += n
+        self._stats.bytes_written += n * length
+        fresh.clear()
 
     def pin(self, slot: SlotRef) -> None:
         """Keep the chunk in slot from eviction and its slot from reuse until unpin()."""
@@ -121,49 +210,64 @@ class CpuTier:
             raise SlotStateError(f"{slot} holds no committed chunk")
         entry.pins += 1
 
+    def pin_entries(self, entries: Iterable[CpuEntry]) -> None:
+        """pin() the slot of each entry (indexed entries, as entries() gives them)."""
+        for entry in entries:
+            entry.pins += 1
+
     def unpin(self, slot: SlotRef) -> None:
         """Undo one pin(); a removed chunk's slot is freed with its last pin."""
         entry = self._by_offset.get(slot.offset)
-        if entry is None or entry.slot != slot or entry.pins <= 0:
+        if entry is None or entry.slot != slot:
             raise SlotStateError(f"{slot} is not pinned")
-        entry.pins -= 1
-        if entry.pins == 0 and not entry.indexed:
-            del self._by_offset[slot.offset]
-            self._alloc.free(slot)
+        self.unpin_entries((entry,))
+
+    def unpin_entries(self, entries: Iterable[CpuEntry]) -> None:
+        """unpin() the slot of each entry (entries pinned before, indexed or not)."""
+        for entry in entries:
+            if entry.pins <= 0:
+                raise SlotStateError(f"{entry.slot} is not pinned")
+            entry.pins -= 1
+            if entry.pins == 0 and not entry.indexed:
+                del self._by_offset[entry.slot.offset]
+                self._alloc.free(entry.slot)
 
     # ------------------------------------------------------------------------------------ removal
     def remove(self, key: ChunkKey) -> bool:
         """Drop key from the index now (pinned or not); its slot is freed when no longer pinned."""
-        entry = self._index.pop(key, None)
+        entry = self.entry(key)
         if entry is None:
             return False
-        self._lru.remove(key)
+        self._drop(entry)
+        return True
+
+    def _drop(self, entry: CpuEntry) -> None:
+        """Take an indexed entry out; its slot is freed once unpinned."""
+        del self._index[entry.key.namespace][entry.key.prefix_hash]
+        self._count -= 1
+        self._lru.remove(entry)
         self._bytes -= entry.slot.length
         entry.indexed = False
         if entry.pins == 0:
             del self._by_offset[entry.slot.offset]
             self._alloc.free(entry.slot)
-        return True
 
     def clear(self) -> int:
         """Drop every unpinned chunk; returns how many were dropped."""
-        keys = [k for k, e in self._index.items() if e.pins == 0]
-        for key in keys:
-            self.remove(key)
-        return len(keys)
+        unpinned = [e for chunks in self._index.values() for e in chunks.values() if e.pins == 0]
+        for entry in unpinned:
+            self._drop(entry)
+        return len(unpinned)
 
-    def _is_pinned(self, key: ChunkKey) -> bool:
-        return self._index[key].pins > 0
-
-    def _evict(self, key: ChunkKey) -> None:
-        self.remove(key)
+    def _evict(self, entry: CpuEntry) -> None:
+        self._drop(entry)
         self._stats.evictions += 1
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> TierStats:
         """A snapshot of this tier's counters."""
         snap = dataclasses.replace(self._stats, errors=dict(self._stats.errors))
-        snap.chunks = len(self._index)
+        snap.chunks = self._count
         snap.bytes = self._bytes
         return snap
 
@@ -175,3 +279,7 @@ class CpuTier:
     def pinned_chunks(self) -> int:
         """Slots held by at least one pin (indexed or not)."""
         return sum(1 for e in self._by_offset.values() if e.pins > 0)
+
+
+def _pinned(entry: CpuEntry) -> bool:
+    return entry.pins > 0

@@ -155,7 +155,14 @@ def test_a_reserve_answered_after_its_timeout_gives_its_slots_back(tmp_path: Pat
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns = client.hello(SPEC).result(5).namespace
         assert svc.loop is not None
-        svc.loop.call_soon_threadsafe(time.sleep, 0.5)  # the service stalls, as under a SIGSTOP
+        stalled = threading.Event()
+
+        def stall() -> None:  # the service stalls, as under a SIGSTOP
+            stalled.set()
+            time.sleep(0.5)
+
+        svc.loop.call_soon_threadsafe(stall)
+        assert stalled.wait(5)  # stalled before the call is sent: the service answers calls at once
         late = client.reserve(ns, hashes(3), timeout=0.05)
         with pytest.raises(CallTimeout):
             late.result(5)
@@ -218,3 +225,69 @@ def test_thread_safe_calls_from_many_threads(tmp_path: Path) -> None:
             t.join(60)
         assert not failures, failures[:2]
         assert client.stats().result(5)["leases_active"] == 0
+
+
+def test_replies_nobody_waits_for_still_complete_their_futures(tmp_path: Path) -> None:
+    # Callers that wait read their own replies and the loop thread stops watching the socket
+    # meanwhile; a call that is only polled, or only has a callback, must complete all the same.
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        for _ in range(20):
+            assert client.health().result(5).serving
+        polled = client.health()
+        threads: list[str] = []
+        polled.add_done_callback(lambda f: threads.append(threading.current_thread().name))
+        assert wait_until(polled.done, 10)
+        assert polled.result(0).serving
+        # Completed by the client's thread: a poll never reads (each read lets go of the GIL, and
+        # a thread polling in a busy loop would starve the process's other threads).
+        assert threads == ["kvtier-client"]
+        called = threading.Event()
+        client.stats().add_done_callback(lambda f: called.set())
+        assert called.wait(10)
+
+
+def test_close_wakes_a_caller_blocked_reading(tmp_path: Path) -> None:
+    path = str(tmp_path / "silent.sock")
+    stop = threading.Event()
+    server = threading.Thread(target=_silent_server, args=(path, stop), daemon=True)
+    server.start()
+    try:
+        wait_until(lambda: Path(path).exists(), 5)
+        client = ServiceClient(f"unix://{path}", timeout=60)
+        assert client.wait_connected(5)
+        future = client.stats()
+        outcome: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                future.result(30)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert wait_until(lambda: client._channel is not None and client._channel.reading.locked(), 5)
+        client.close()
+        waiter.join(30)
+        # Woken by the close, not by its 30 s timeout (that would be a TimeoutError).
+        assert len(outcome) == 1 and isinstance(outcome[0], ClientClosed)
+    finally:
+        stop.set()
+        server.join(5)
+
+
+def test_a_call_waited_on_from_several_threads_completes_for_each(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns = client.hello(SPEC).result(5).namespace
+        futures = [client.lookup(ns, hashes(4), f"w{i}") for i in range(50)]
+        results: list[int] = []
+
+        def wait(part: int) -> None:
+            results.extend(f.result(10).result.num_hit for f in futures[part::4])
+
+        threads = [threading.Thread(target=wait, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == [0] * 50

@@ -57,18 +57,20 @@ def test_every_request_round_trips(msg: p.Request) -> None:
 def test_every_reply_round_trips(msg: p.Reply) -> None:
     (decoded,) = p.reply_decoder().feed(p.FrameEncoder().encode(msg))
     assert decoded == msg
-    if isinstance(decoded, p.LookupReply):  # typed on the way in: tuples and Tier members
-        assert decoded.slots[0] == (0, 2048) and decoded.tiers[1] is Tier.DISK
+    if isinstance(decoded, p.LookupReply):  # typed on the way in: SlotRefs and Tier members
+        assert decoded.slots[0] == SlotRef(0, 2048) and decoded.tiers[1] is Tier.DISK
 
 
-def test_slot_cache_reuses_slot_refs_and_stays_bounded() -> None:
-    cache = p.SlotCache(limit=4)
-    first = cache.refs([(0, 2048), None, (4096, 2048)])
-    assert first == [SlotRef(0, 2048), None, SlotRef(4096, 2048)]
-    assert cache.refs([(0, 2048)])[0] is first[0]
-    assert cache.refs([(i * 4096, 1) for i in range(10)])[-1] == SlotRef(9 * 4096, 1)
-    assert len(cache._cache) <= 4
-    assert p.slot_tuples([SlotRef(1, 2), None]) == [(1, 2), None]
+def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:
+    enc = p.FrameEncoder()
+    refs = p.ReserveReply(id=3, slots=[SlotRef(0, 2048), None], instance_id="i")
+    plain = p.ReserveReply(id=3, slots=[(0, 2048), None], instance_id="i")  # type: ignore[list-item]
+    assert enc.encode(refs) == enc.encode(plain)  # the wire format did not change
+    (decoded,) = p.reply_decoder().feed(enc.encode(plain))
+    assert type(decoded.slots[0]) is SlotRef and decoded.slots == [SlotRef(0, 2048), None]
+    commit = p.Commit(id=4, namespace="ns", hashes=[b"h"], slots=[SlotRef(4096, 2048)])
+    (request,) = p.request_decoder().feed(enc.encode(commit))
+    assert request == commit and request.slots == [(4096, 2048)]  # the service looks tuples up
 
 
 def test_every_message_type_is_covered() -> None:

@@ -13,6 +13,7 @@ from app import protocol as p
 from app.address import parse_url
 from app.client import ServiceClient
 from app.server import ServeError, check_bind
+from storage.keys import namespace_id
 from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
@@ -56,6 +57,21 @@ def test_calls_pipeline_on_one_connection(tmp_path: Path) -> None:
         replies = [conn.recv() for _ in ids]
         assert sorted(r.id for r in replies) == ids
         assert all(r.num_hit == 8 for r in replies)
+        conn.close()
+
+
+def test_a_call_behind_one_in_flight_waits_its_turn(tmp_path: Path) -> None:
+    # Calls are answered at once only when nothing of their connection is in flight: a reserve
+    # pipelined right behind the hello that registers its namespace must still find it.
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        conn.hello()
+        ns = namespace_id(SPEC)
+        conn.send(p.Hello(id=20, version=p.PROTOCOL_VERSION, spec=SPEC))
+        conn.send(p.Reserve(id=21, namespace=ns, hashes=hashes(2)))
+        replies = {r.id: r for r in (conn.recv(), conn.recv())}
+        assert replies[20].namespace == ns
+        assert isinstance(replies[21], p.ReserveReply) and all(replies[21].slots)
         conn.close()
 
 

@@ -124,3 +124,42 @@ def test_stats_are_snapshots() -> None:
     tier.count_lookup(2, 2 * CHUNK, 1)
     fresh = tier.stats()
     assert fresh.errors == {} and (fresh.hits, fresh.misses, fresh.bytes_read) == (2, 1, 2 * CHUNK)
+
+
+def test_entries_probe_by_namespace_and_hash() -> None:
+    tier = make()
+    a = put(tier, 1)
+    found = tier.entries("ns", [key(1).prefix_hash, key(2).prefix_hash])
+    assert found[0] is not None and found[0].slot == a and found[1] is None
+    assert tier.entries("ns", [bytearray(key(1).prefix_hash)]) == found[:1]  # unhashable: as bytes
+    assert tier.entries("other", [key(1).prefix_hash]) == [None]
+
+
+def test_reserve_many_evicts_lru_first_and_stops_at_pinned_chunks() -> None:
+    tier = make(4)
+    slots = [put(tier, i) for i in range(4)]
+    tier.pin(slots[0])
+    tier.touch(key(1))  # order now 0 (pinned), 2, 3, 1
+    got = tier.reserve_many(CHUNK, 2)
+    assert sorted(got) == sorted([slots[2], slots[3]])  # their slots, handed on as they are
+    assert key(2) not in tier and key(3) not in tier and tier.stats().evictions == 2
+    more = tier.reserve_many(CHUNK, 2)
+    assert more[0] == slots[1] and more[1] is None  # only the pinned chunk is left
+    assert tier.allocator.slots_in_use == 4
+
+
+def test_commit_many_keeps_one_by_one_lru_order() -> None:
+    tier = make(5)
+    put(tier, 0)
+    put(tier, 1)
+    fresh = [tier.reserve(CHUNK) for _ in range(3)]
+    assert None not in fresh
+    entries = tier.commit_many([key(2), key(0), key(3)], fresh)  # type: ignore[arg-type]
+    # key(0) was held already: its new slot is freed, and it is touched between 2 and 3.
+    assert [e.key for e in entries] == [key(2), key(0), key(3)]
+    assert entries[1].slot != fresh[1] and tier.allocator.slots_in_use == 4
+    assert tier.reserve_many(CHUNK, 1)[0] is not None  # the freed slot: nothing evicted
+    assert tier.reserve_many(CHUNK, 1)[0] is not None  # evicts the least recently used: key(1)
+    assert key(1) not in tier and all(key(i) in tier for i in (0, 2, 3))
+    assert tier.reserve_many(CHUNK, 1)[0] is not None  # then key(2): 0 was touched after it
+    assert key(2) not in tier and key(0) in tier

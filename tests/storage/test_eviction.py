@@ -54,3 +54,19 @@ def test_touch_protects_from_eviction() -> None:
     lru = _policy(("a", 10), ("b", 10))
     lru.touch("a")
     assert lru.victims(10, lambda k: False) == ["b"]
+
+
+def test_batch_operations_match_one_by_one() -> None:
+    lru = _policy(("a", 1), ("b", 1), ("c", 1))
+    lru.touch_many(["a", "zz", "b"])  # an untracked key is skipped, the others move in order
+    assert list(lru.iter_lru()) == ["c", "a", "b"]
+    lru.add_new(["d", "e"], 4)
+    assert list(lru.iter_lru()) == ["c", "a", "b", "d", "e"] and lru.total_bytes == 11
+    lru.add_new(["c", "f", "f"], 2)  # tracked or repeated keys: as add() one by one
+    assert list(lru.iter_lru()) == ["a", "b", "d", "e", "c", "f"] and lru.total_bytes == 14
+    lru.remove_many(["a", "d"])
+    assert list(lru.iter_lru()) == ["b", "e", "c", "f"] and lru.total_bytes == 9
+    with pytest.raises(KeyError):
+        lru.remove_many(["zz"])
+    with pytest.raises(ValueError):
+        lru.add_new(["x"], -1)

@@ -206,6 +206,36 @@ async def test_leased_chunks_survive_pressure(make) -> None:
     await env.store.abort([s for s in slots if s is not None])
 
 
+async def test_lookup_now_answers_from_the_cpu_tier_only(make) -> None:
+    env = await make()
+    await env.save([0, 1])
+    await env.store.flush()
+    env.disk.contains_calls.clear()
+    res = env.store.lookup_now(env.ns, [H[0], H[1]], "r")
+    assert res is not None and res.num_hit == 2 and res.tiers == [Tier.CPU, Tier.CPU]
+    assert [env.read(s) for s in res.slots] == [payload(H[0]), payload(H[1])]
+    assert env.pins(0) == 1 and env.pins(1) == 1
+    # A CPU miss may be a lower-tier hit: lookup_now declines and changes nothing.
+    assert env.store.lookup_now(env.ns, [H[0], H[2]], "r2") is None
+    assert env.pins(0) == 1 and env.store.stats().leases_active == 1
+    assert env.disk.contains_calls == []
+    res = await env.store.lookup(env.ns, [H[0], H[2]], "r2")
+    assert res.num_hit == 1 and env.pins(0) == 2
+    await env.store.release("r")
+    await env.store.release("r2")
+    await settled(env)
+
+
+async def test_a_full_arena_drops_every_occurrence_of_a_hash(make) -> None:
+    env = await make(chunks=4)
+    await env.save([0, 1, 2, 3])
+    await env.store.flush()
+    await env.store.lookup(env.ns, H[:4], "r")  # everything leased: nothing can be evicted
+    assert await env.store.reserve(env.ns, [H[5], H[5], H[6]]) == [None, None, None]
+    assert env.store.stats().reserve_dropped == 3  # as when each was asked for one by one
+    await env.store.release("r")
+
+
 async def test_repeated_lookup_replaces_the_lease(make) -> None:
     env = await make()
     await env.save([0, 1])
