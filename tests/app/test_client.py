@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,21 @@ def test_reconnects_and_registers_namespaces_again(tmp_path: Path) -> None:
         first.stop()
 
 
+@contextlib.contextmanager
+def silent_service(tmp: Path) -> Iterator[str]:
+    """A unix socket that answers hello and nothing else; yields its path."""
+    path = str(tmp / "silent.sock")
+    stop = threading.Event()
+    server = threading.Thread(target=_silent_server, args=(path, stop), daemon=True)
+    server.start()
+    try:
+        wait_until(lambda: Path(path).exists(), 5)
+        yield path
+    finally:
+        stop.set()
+        server.join(5)
+
+
 def _silent_server(path: str, stop: threading.Event) -> None:
     """Answers hello, never anything else."""
     srv = socket.socket(socket.AF_UNIX)
@@ -132,23 +149,14 @@ def _silent_server(path: str, stop: threading.Event) -> None:
 
 
 def test_every_call_has_a_timeout(tmp_path: Path) -> None:
-    path = str(tmp_path / "silent.sock")
-    stop = threading.Event()
-    server = threading.Thread(target=_silent_server, args=(path, stop), daemon=True)
-    server.start()
-    try:
-        wait_until(lambda: Path(path).exists(), 5)
-        with ServiceClient(f"unix://{path}", timeout=0.2) as client:
-            assert client.wait_connected(5)
-            start = time.monotonic()
-            with pytest.raises(CallTimeout):
-                client.stats().result(5)
-            assert 0.15 < time.monotonic() - start < 2.0
-            with pytest.raises(CallTimeout):
-                client.lookup("ns", hashes(1), "l", timeout=0.05).result(5)
-    finally:
-        stop.set()
-        server.join(5)
+    with silent_service(tmp_path) as path, ServiceClient(f"unix://{path}", timeout=0.2) as client:
+        assert client.wait_connected(5)
+        start = time.monotonic()
+        with pytest.raises(CallTimeout):
+            client.stats().result(5)
+        assert 0.15 < time.monotonic() - start < 2.0
+        with pytest.raises(CallTimeout):
+            client.lookup("ns", hashes(1), "l", timeout=0.05).result(5)
 
 
 def test_a_reserve_answered_after_its_timeout_gives_its_slots_back(tmp_path: Path) -> None:
@@ -247,12 +255,7 @@ def test_replies_nobody_waits_for_still_complete_their_futures(tmp_path: Path) -
 
 
 def test_close_wakes_a_caller_blocked_reading(tmp_path: Path) -> None:
-    path = str(tmp_path / "silent.sock")
-    stop = threading.Event()
-    server = threading.Thread(target=_silent_server, args=(path, stop), daemon=True)
-    server.start()
-    try:
-        wait_until(lambda: Path(path).exists(), 5)
+    with silent_service(tmp_path) as path:
         client = ServiceClient(f"unix://{path}", timeout=60)
         assert client.wait_connected(5)
         future = client.stats()
@@ -271,9 +274,6 @@ def test_close_wakes_a_caller_blocked_reading(tmp_path: Path) -> None:
         waiter.join(30)
         # Woken by the close, not by its 30 s timeout (that would be a TimeoutError).
         assert len(outcome) == 1 and isinstance(outcome[0], ClientClosed)
-    finally:
-        stop.set()
-        server.join(5)
 
 
 def test_a_call_waited_on_from_several_threads_completes_for_each(tmp_path: Path) -> None:

@@ -56,6 +56,18 @@ class RunningService:
         return log.read_text()[-3000:] if log.exists() else ""
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 20) -> None:
+    """SIGTERM a service process (graceful), SIGKILL it if it hangs; a no-op once it exited."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 @contextlib.contextmanager
 def running_service(tmp: Path, **settings: Any) -> Iterator[RunningService]:
     """Start `python -m app.server` with KVTIER_* settings; stop it with SIGTERM on every path."""
@@ -84,11 +96,5 @@ def running_service(tmp: Path, **settings: Any) -> Iterator[RunningService]:
     finally:
         if service is not None:
             service.client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_process(proc)
         log.close()

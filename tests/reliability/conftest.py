@@ -28,7 +28,7 @@ from connector.stats import merge_counts
 from storage.base import NamespaceSpec, Tier
 from tests.e2e.harness import Outputs, generate, make_prompt, running_engine
 from tests.e2e.introspect import scheduler_connector, worker_connector
-from tests.e2e.service import REPO, RunningService
+from tests.e2e.service import REPO, RunningService, stop_process
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 CHUNK = 64
@@ -174,15 +174,8 @@ class ServiceProc:
     def stop(self) -> None:
         """SIGTERM the running incarnation (graceful), SIGKILL if it hangs; idempotent."""
         self._close_client()
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def _close_client(self) -> None:
         if self.svc is not None:

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,19 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.demo import free_port
 from tests.e2e.harness import make_prompt
 from tests.support.leak_check import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300.0
 SERVED_NAME = "tiny"
-
-
-def free_port() -> int:
-    """A loopback TCP port that is free now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
