@@ -31,6 +31,8 @@ from storage.base import Tier
 
 log = logging.getLogger(__name__)
 
+_NEVER = 1 << 62  # a token count no request reaches
+
 
 @dataclass(slots=True)
 class _Lookup:
@@ -54,6 +56,9 @@ class _Request:
     request: Any
     block_table: list[int] = field(default_factory=list)
     watermark: int = 0
+    # Tokens [quiet_from, quiet_until) of computed-after-the-step: no save can be due (see _scan).
+    quiet_from: int = 0
+    quiet_until: int = 0
     lease_id: str = ""
     lookup: _Lookup | None = None
     answer: _Answer | None = None
@@ -162,7 +167,7 @@ class SchedulerSide:
         if answer is None:
             return  # e.g. the second call after an async load finished
         admitted = answer.local_tokens + num_external_tokens
-        st.watermark = admitted // self.geo.chunk_size
+        self._set_watermark(st, admitted // self.geo.chunk_size)
         self.counters.count_admission(request, num_external_tokens)
         reply = answer.reply
         if num_external_tokens <= 0 or reply is None:
@@ -211,9 +216,8 @@ class SchedulerSide:
             tables = [n.block_ids for n in new]
             self._scan(so, ids, tables, [n.num_computed_tokens for n in new], set(ids), meta)
         cached = so.scheduled_cached_reqs
-        self._scan(
-            so, cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed_req_ids, meta
-        )
+        resumed = cached.resumed_req_ids or None
+        self._scan(so, cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, resumed, meta)
         # Async loads were planned for requests that are not scheduled this step.
         meta.loads.extend(self._loads.values())
         self._loads.clear()
@@ -239,45 +243,55 @@ class SchedulerSide:
         req_ids: list[str],
         new_block_ids: list[Any],
         computed_tokens: list[int],
-        replace: set[str],
+        replace: set[str] | None,
         meta: KVTierMetadata,
     ) -> None:
         """Track block tables, send planned loads and plan saves for these scheduled requests.
 
         Runs for every scheduled request every step, so the common case (a decode step that
         completes no chunk) is a few integer operations with no call; req_ids in `replace` get
-        the block table given instead of appending to theirs.
+        the block table given instead of appending to theirs (`replace` None: nobody does).
         """
-        reqs, loads, chunk, bpc = self._reqs, self._loads, self.geo.chunk_size, self._bpc
+        reqs, loads = self._reqs, self._loads
         scheduled = so.num_scheduled_tokens
         spec = so.scheduled_spec_decode_tokens
         for req_id, ids, computed in zip(req_ids, new_block_ids, computed_tokens, strict=True):
             st = reqs.get(req_id)
             if st is None:
                 continue
-            if req_id in replace:
+            if replace is not None and req_id in replace:
                 st.block_table = list(ids[0]) if ids is not None else []
             elif ids is not None and ids[0]:
                 st.block_table.extend(ids[0])
             if loads and req_id in loads:
                 meta.loads.append(loads.pop(req_id))
             new_valid = scheduled.get(req_id, 0)
+            # Scheduled tokens bound the valid ones (speculative ones are not valid): inside the
+            # quiet window no chunk completes and none moved back, so save_range would plan nothing.
+            if st.quiet_from <= computed and computed + new_valid < st.quiet_until:
+                continue
             if spec and req_id in spec:
                 new_valid -= len(spec[req_id])
-            hi = min((computed + max(0, new_valid)) // chunk, len(st.request.block_hashes) // bpc)
-            if hi <= st.watermark <= computed // chunk:
-                st.watermark = hi  # nothing new to save (same result as save_range, without the call)
-                continue
             job = self._plan_save(st, computed, new_valid)
             if job is not None:
                 meta.saves.append(job)
+
+    def _set_watermark(self, st: _Request, watermark: int) -> None:
+        """Remember the save watermark and the token window in which no save can be due."""
+        st.watermark = watermark
+        chunk = self.geo.chunk_size
+        st.quiet_from = watermark * chunk
+        if not self.cfg.settings.save_decode and watermark >= st.request.num_prompt_tokens // chunk:
+            st.quiet_until = _NEVER  # every chunk this request will save is planned
+        else:
+            st.quiet_until = (watermark + 1) * chunk
 
     def _plan_save(self, st: _Request, computed: int, new_valid: int) -> SaveJob | None:
         request = st.request
         limit = None if self.cfg.settings.save_decode else request.num_prompt_tokens
         hashes = request.block_hashes
         rng = save_range(computed, new_valid, len(hashes), st.watermark, self.geo, limit)
-        st.watermark = rng.hi
+        self._set_watermark(st, rng.hi)
         if not rng.chunks or self.client is None:
             return None
         bpc = self.geo.blocks_per_chunk
