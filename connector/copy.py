@@ -5,19 +5,23 @@ that layer; some layouts split it into planes (FlashAttention's ``[2, num_blocks
 apart), so a page is the concatenation of the block's rows in every plane.
 
 This module imports torch only (no vLLM), so the CUDA data path and its benchmark run where vLLM cannot.
-On CPU, copies go through numpy views of the same memory (``np.take(out=slot)`` to save, fancy-index
-assignment to load): they run at memcpy speed, where torch's uint8 ``index_copy_`` crawls at a few
-hundred MB/s; there is no temporary on the single-plane layout. On CUDA the arena is registered as pinned
-host memory and copies run on a side stream; ``wait()`` fences them.
+On CPU, copies are slice assignments between numpy views of the same memory, one per run of
+consecutive blocks: memcpy speed, where torch's uint8 ``index_copy_`` crawls at a few hundred MB/s, and
+no temporary. With ``helper_cpus`` a ``CopyThread`` copies every second chunk of a step while the
+caller copies the others (numpy drops the GIL inside large copies), so ``save``/``load`` may return
+before their bytes are in place. On CUDA the arena is registered as pinned host memory and
+copies run on a side stream. Either way ``wait()`` is the fence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from connector.copy_thread import CopyThread
 
 
 class LayoutError(ValueError):
@@ -40,6 +44,22 @@ def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     )
 
 
+_Run = tuple[int, int, int]  # (index of the run's first id, first block id, length)
+# A CPU copy of layers [lo, hi): (lo, hi, slot, runs, first slot row).
+_LayerCopy = Callable[[int, int, np.ndarray, list[_Run], int], None]
+
+
+def block_runs(ids: Sequence[int]) -> list[_Run]:
+    """Runs of consecutive block ids as (index of the run's first id, first block id, length)."""
+    runs: list[_Run] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
 @dataclass(frozen=True)
 class PageLayout:
     """Bytes of one block of one layer, and how they split across planes."""
@@ -55,7 +75,13 @@ class PageLayout:
 class BlockCopier:
     """Copies whole blocks of every layer between the KV cache and a slot buffer."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], num_blocks: int, blocks_per_chunk: int):
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        num_blocks: int,
+        blocks_per_chunk: int,
+        helper_cpus: frozenset[int] | None = None,
+    ):
         if not kv_caches:
             raise LayoutError("no KV cache tensors were registered")
         self.layers = [block_planes(kv, num_blocks) for kv in kv_caches]
@@ -70,6 +96,15 @@ class BlockCopier:
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         # CPU: numpy views sharing the KV tensors' memory (see the module docstring for why).
         self._np_layers = [] if self._cuda else [[p.numpy() for p in planes] for planes in self.layers]
+        # A second CPU thread pays off only with a second CPU to run it.
+        two = helper_cpus is not None and len(helper_cpus) > 1
+        self._helper = CopyThread(helper_cpus) if two and not self._cuda else None
+        self._turn = 0  # chunks copied since the last fence
+
+    @property
+    def cpu_threads(self) -> int:
+        """Threads a CPU copy runs on: 2 with the copy thread, else 1."""
+        return 1 if self._helper is None else 2
 
     @property
     def chunk_bytes(self) -> int:
@@ -90,7 +125,7 @@ class BlockCopier:
         """Copy the blocks (every layer) into the first ``len(block_ids)`` block rows of the slot."""
         n = len(block_ids)
         if not self._cuda:
-            self._save_cpu(slot.numpy(), [int(b) for b in block_ids])
+            self._on_cpu(self._save_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), 0)
             return
         ids = self._ids(block_ids)
         if self._stream is not None:
@@ -106,32 +141,43 @@ class BlockCopier:
                     dest[:, offset : offset + width].copy_(rows, non_blocking=self._cuda)
                     offset += width
 
-    # One slice assignment per block and plane: a plain memcpy each, measured at memcpy speed here,
-    # where np.take / fancy indexing reach about two thirds of it.
-    def _save_cpu(self, slot: np.ndarray, ids: list[int]) -> None:
-        for layer, planes in enumerate(self._np_layers):
+    def _on_cpu(self, copy: _LayerCopy, slot: np.ndarray, runs: list[_Run], first: int) -> None:
+        """Run a CPU copy of every layer of one chunk: every second chunk between fences goes to the
+        copy thread. Whole chunks, not halves: splitting one 4 MiB chunk costs more in hand-offs and
+        GIL switches than the second core gives back (measured: 0.5x vs 0.78x of memcpy)."""
+        self._turn += 1
+        if self._helper is None or self._turn % 2:
+            copy(0, self.num_layers, slot, runs, first)
+        else:
+            self._helper.submit(copy, 0, self.num_layers, slot, runs, first)
+
+    # One slice assignment per run of consecutive blocks and plane: a plain memcpy each (or a few),
+    # measured at memcpy speed here, where np.take / fancy indexing reach about two thirds of it.
+    # vLLM hands a fresh prompt mostly consecutive blocks, so a chunk is usually one run.
+    def _save_cpu(self, lo: int, hi: int, slot: np.ndarray, runs: list[_Run], first: int) -> None:
+        for layer in range(lo, hi):
             dest = slot[layer]
             offset = 0
-            for plane in planes:
+            for plane in self._np_layers[layer]:
                 width = plane.shape[1]
-                for j, block in enumerate(ids):
-                    dest[j, offset : offset + width] = plane[block]
+                for j, block, n in runs:
+                    dest[first + j : first + j + n, offset : offset + width] = plane[block : block + n]
                 offset += width
 
-    def _load_cpu(self, slot: np.ndarray, first: int, ids: list[int]) -> None:
-        for layer, planes in enumerate(self._np_layers):
+    def _load_cpu(self, lo: int, hi: int, slot: np.ndarray, runs: list[_Run], first: int) -> None:
+        for layer in range(lo, hi):
             src = slot[layer]
             offset = 0
-            for plane in planes:
+            for plane in self._np_layers[layer]:
                 width = plane.shape[1]
-                for j, block in enumerate(ids, start=first):
-                    plane[block] = src[j, offset : offset + width]
+                for j, block, n in runs:
+                    plane[block : block + n] = src[first + j : first + j + n, offset : offset + width]
                 offset += width
 
     def load(self, slot: torch.Tensor, first: int, block_ids: Sequence[int]) -> None:
         """Copy slot block rows ``[first, first + len(block_ids))`` of every layer into the blocks."""
         if not self._cuda:
-            self._load_cpu(slot.numpy(), first, [int(b) for b in block_ids])
+            self._on_cpu(self._load_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), first)
             return
         ids = self._ids(block_ids)
         n = len(block_ids)
@@ -146,9 +192,17 @@ class BlockCopier:
                     offset += width
 
     def wait(self) -> None:
-        """Block until every copy issued so far has finished (a no-op on CPU)."""
+        """Block until every copy issued so far has finished; CopyError if a CPU copy failed."""
         if self._stream is not None:
             self._stream.synchronize()
+        self._turn = 0
+        if self._helper is not None:
+            self._helper.wait()
+
+    def close(self) -> None:
+        """Finish pending copies and stop the copy thread (if any); safe to call twice."""
+        if self._helper is not None:
+            self._helper.close()
 
     def _on_stream(self):  # type: ignore[no-untyped-def]
         if self._stream is None:

@@ -21,14 +21,17 @@ Pre-faulting: the first write to a fresh tmpfs page costs a page fault plus zero
 here, against 11-24 GB/s into touched pages). A background thread allocates the file's pages with
 ``posix_fallocate`` (no GIL held, and running out of tmpfs shows up as an error instead of a SIGBUS
 on a later write) and populates this process's page tables with ``MADV_POPULATE_WRITE``, a few MiB
-at a time so startup never waits for it. It never writes data, so slots in use while it runs are
-unharmed.
+at a time so startup never waits for it. madvise is called through ctypes, which drops the GIL
+(Python's ``mmap.madvise`` keeps it): a worker pre-faulting its mapping never stalls vLLM's thread.
+It never writes data, so slots in use while it runs are unharmed.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -40,6 +43,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,10 +58,34 @@ _ARENA_NAME = re.compile(r"^kvtier-[0-9a-f]+\.arena$")
 _NEW_SUFFIX = ".creating"  # an arena being created, before it is locked and renamed into place
 _NEW_NAME = re.compile(r"^kvtier-[0-9a-f]+\.creating$")
 _PREFAULT_STEP = 32 << 20  # bytes per fallocate call: short enough to stop promptly
-_POPULATE_STEP = 4 << 20  # bytes per madvise call, which runs with the GIL held
+_POPULATE_STEP = 4 << 20  # bytes per madvise call: short enough to stop promptly
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _STALE_AGE_S = 10.0  # a '.creating' file this young may belong to a service starting right now
+
+
+def _load_madvise() -> Any:
+    """libc's madvise through ctypes (which releases the GIL during the call), or None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Start address of a writable mapping (the ctypes view is dropped at once)."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
 
 def align_up(n: int, align: int = PAGE) -> int:
@@ -79,6 +107,7 @@ class ArenaMapping:
         except (OSError, ValueError) as exc:
             raise ArenaError(f"cannot map arena {path} ({size} bytes): {exc}") from exc
         self._base: memoryview | None = memoryview(self._mm)
+        self._address = _address(self._mm)
         self._stop = threading.Event()
         self._prefaulted = threading.Event()
         self._prefaulted.set()
@@ -86,11 +115,14 @@ class ArenaMapping:
         self.prefault_error: str | None = None
 
     @classmethod
-    def open(cls, info: ArenaInfo | str, *, prefault: bool = False) -> ArenaMapping:
+    def open(
+        cls, info: ArenaInfo | str, *, prefault: bool = False, cpus: frozenset[int] | None = None
+    ) -> ArenaMapping:
         """Map the arena named by info (or a path); the size is checked against the file.
 
         With prefault, a background thread maps every page into this process, so a worker's first
-        copies into the arena do not page-fault.
+        copies into the arena do not page-fault; it runs on `cpus` when given (a thread inherits
+        its creator's binding, which may be the core vLLM runs its model on).
         """
         path = info if isinstance(info, str) else info.path
         try:
@@ -109,7 +141,7 @@ class ArenaMapping:
         finally:
             os.close(fd)  # the mapping keeps the file alive
         if prefault:
-            mapping._start_prefault(None)
+            mapping._start_prefault(None, cpus)
         return mapping
 
     @property
@@ -139,15 +171,18 @@ class ArenaMapping:
         """Block until pre-faulting ends (for benchmarks and tests, never on the event loop)."""
         return self._prefaulted.wait(timeout)
 
-    def _start_prefault(self, fd: int | None) -> None:
+    def _start_prefault(self, fd: int | None, cpus: frozenset[int] | None = None) -> None:
         self._prefaulted.clear()
         self._thread = threading.Thread(
-            target=self._prefault, args=(fd,), name="kvtier-prefault", daemon=True
+            target=self._prefault, args=(fd, cpus), name="kvtier-prefault", daemon=True
         )
         self._thread.start()
 
-    def _prefault(self, fd: int | None) -> None:
+    def _prefault(self, fd: int | None, cpus: frozenset[int] | None = None) -> None:
         """Allocate (when fd is given) and map every page, step by step, until done or stopped."""
+        if cpus:
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setaffinity(0, cpus)  # 0: this thread only
         try:
             offset = 0
             while offset < self.size and not self._stop.is_set():
@@ -170,15 +205,24 @@ class ArenaMapping:
         mm = self._mm
         if mm is None:
             return
-        try:
-            mm.madvise(_MADV_POPULATE_WRITE, offset, length)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: kernel older than 5.14
-                raise
-            # Reading one byte per page maps it; on a shared tmpfs mapping the page is writable.
-            window = memoryview(mm)[offset : offset + length]
-            int(np.frombuffer(window, dtype=np.uint8)[::PAGE].sum())
-            window.release()
+        # close() joins this thread before it unmaps, so the address stays mapped during the call.
+        if _madvise is not None:
+            if _madvise(self._address + offset, length, _MADV_POPULATE_WRITE) == 0:
+                return
+            err = ctypes.get_errno()
+            if err != errno.EINVAL:  # EINVAL: kernel older than 5.14
+                raise OSError(err, os.strerror(err))
+        else:
+            try:
+                mm.madvise(_MADV_POPULATE_WRITE, offset, length)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        # Reading one byte per page maps it; on a shared tmpfs mapping the page is writable.
+        window = memoryview(mm)[offset : offset + length]
+        int(np.frombuffer(window, dtype=np.uint8)[::PAGE].sum())
+        window.release()
 
     def _stop_prefault(self) -> None:
         self._stop.set()

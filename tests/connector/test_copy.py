@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.copy import BlockCopier, LayoutError, block_planes
+from connector.copy import BlockCopier, LayoutError, block_planes, block_runs
 
 NUM_BLOCKS = 12
 
@@ -20,21 +20,68 @@ def _kv_split(seed: int) -> torch.Tensor:
     return torch.randn(2, NUM_BLOCKS, 4, 8, generator=g).to(torch.bfloat16)
 
 
+TWO_CPUS = frozenset({0, 1})  # a copy thread beside the caller's (the binding is best effort)
+
+
+@pytest.mark.parametrize("helper_cpus", [None, TWO_CPUS], ids=["one-thread", "copy-thread"])
 @pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
-def test_save_then_load_restores_blocks(make) -> None:
+def test_save_then_load_restores_blocks(make, helper_cpus) -> None:
     src_layers = [make(1), make(2), make(3)]
-    copier = BlockCopier(src_layers, NUM_BLOCKS, blocks_per_chunk=4)
+    copier = BlockCopier(src_layers, NUM_BLOCKS, blocks_per_chunk=4, helper_cpus=helper_cpus)
     buf = bytearray(copier.chunk_bytes)
     slot = copier.slot_view(buf)
     copier.save(slot, [5, 2, 9, 7])
+    copier.wait()
     dst_layers = [torch.zeros_like(t) for t in src_layers]
-    loader = BlockCopier(dst_layers, NUM_BLOCKS, blocks_per_chunk=4)
+    loader = BlockCopier(dst_layers, NUM_BLOCKS, blocks_per_chunk=4, helper_cpus=helper_cpus)
     loader.load(loader.slot_view(buf), 1, [3, 4, 6])  # blocks 2, 9, 7 of the source
+    loader.wait()
+    copier.close()
+    loader.close()
     for src, dst in zip(src_layers, dst_layers, strict=True):
         bdim = 0 if src.shape[0] == NUM_BLOCKS else 1
         for s_id, d_id in [(2, 3), (9, 4), (7, 6)]:
             assert torch.equal(src.select(bdim, s_id), dst.select(bdim, d_id))
         assert not dst.select(bdim, 0).any()
+
+
+def test_block_runs_split_ids_where_they_stop_being_consecutive() -> None:
+    assert block_runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
+    assert block_runs([7]) == [(0, 7, 1)]
+    assert block_runs([]) == []
+    assert block_runs([3, 3, 4]) == [(0, 3, 1), (1, 3, 2)]
+
+
+@pytest.mark.parametrize("helper_cpus", [None, TWO_CPUS], ids=["one-thread", "copy-thread"])
+@pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
+def test_runs_of_consecutive_blocks_copy_like_single_blocks(make, helper_cpus) -> None:
+    src_layers = [make(4), make(5)]
+    saved = [1, 2, 3, 7, 8, 0]
+    copier = BlockCopier(src_layers, NUM_BLOCKS, blocks_per_chunk=len(saved), helper_cpus=helper_cpus)
+    buf = bytearray(copier.chunk_bytes)
+    copier.save(copier.slot_view(buf), saved)
+    copier.wait()
+    one_by_one = bytearray(copier.chunk_bytes)
+    for j, block in enumerate(saved):  # block j alone lands in row j of every layer
+        row = bytearray(copier.chunk_bytes)
+        copier.save(copier.slot_view(row), [block] * len(saved))
+        copier.wait()
+        page = copier.layout.page_bytes
+        for layer in range(len(src_layers)):
+            at = (layer * len(saved) + j) * page
+            one_by_one[at : at + page] = row[at : at + page]
+    assert buf == one_by_one
+    dst_layers = [torch.zeros_like(t) for t in src_layers]
+    loader = BlockCopier(dst_layers, NUM_BLOCKS, blocks_per_chunk=len(saved), helper_cpus=helper_cpus)
+    targets = [4, 5, 9, 10, 11]
+    loader.load(loader.slot_view(buf), 1, targets)  # rows 1..5: blocks 2, 3, 7, 8, 0 of the source
+    loader.wait()
+    copier.close()
+    loader.close()
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        bdim = 0 if src.shape[0] == NUM_BLOCKS else 1
+        for s_id, d_id in zip(saved[1:], targets, strict=True):
+            assert torch.equal(src.select(bdim, s_id), dst.select(bdim, d_id))
 
 
 def test_slot_layout_is_layer_block_page() -> None:
@@ -53,3 +100,31 @@ def test_bad_layouts_are_refused() -> None:
     copier = BlockCopier([_kv_cpu(1)], NUM_BLOCKS, blocks_per_chunk=2)
     with pytest.raises(LayoutError):
         copier.slot_view(bytearray(copier.chunk_bytes + 1))
+
+
+@pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
+def test_chunks_copied_between_fences_land_the_same_with_the_copy_thread(make) -> None:
+    layers = [make(11), make(12), make(13)]
+    chunks = [[0, 1], [5, 3], [8, 9], [2, 7], [11, 10]]
+    plain = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=2)
+    threaded = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=2, helper_cpus=TWO_CPUS)
+    assert (plain.cpu_threads, threaded.cpu_threads) == (1, 2)
+    want = [bytearray(plain.chunk_bytes) for _ in chunks]
+    got = [bytearray(plain.chunk_bytes) for _ in chunks]
+    for ids, a, b in zip(chunks, want, got, strict=True):
+        plain.save(plain.slot_view(a), ids)
+        threaded.save(threaded.slot_view(b), ids)  # every second one on the copy thread
+    threaded.wait()
+    assert got == want
+    restored = [torch.zeros_like(t) for t in layers]
+    loader = BlockCopier(restored, NUM_BLOCKS, blocks_per_chunk=2, helper_cpus=TWO_CPUS)
+    for ids, buf in zip(chunks, got, strict=True):
+        loader.load(loader.slot_view(buf), 0, ids)
+    loader.wait()
+    for src, dst in zip(layers, restored, strict=True):
+        bdim = 0 if src.shape[0] == NUM_BLOCKS else 1
+        for block in range(NUM_BLOCKS):
+            copied = any(block in ids for ids in chunks)
+            assert torch.equal(src.select(bdim, block), dst.select(bdim, block)) == copied
+    for copier in (plain, threaded, loader):
+        copier.close()
