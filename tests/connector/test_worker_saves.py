@@ -1,0 +1,115 @@
+"""Worker saves against a real arena: what it commits, and that a failed copy commits nothing."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.client import HelloReply, ReserveReply
+from app.settings import KVTierSettings
+from connector.config import ConnectorConfig
+from connector.metadata import KVTierMetadata, SaveJob
+from connector.planning import Geometry
+from connector.worker import WorkerSide
+from storage.arena import Arena
+from storage.base import NamespaceSpec, SlotRef
+
+NUM_BLOCKS, BLOCK, CHUNK, LAYERS = 16, 4, 8, 3
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+class _Client:
+    """Just enough of ServiceClient for saves: reserve hands out arena slots, the rest is recorded."""
+
+    def __init__(self, arena: Arena, chunk_bytes: int) -> None:
+        self.arena, self.chunk_bytes = arena, chunk_bytes
+        self.connected, self.instance_id = True, "inst-1"
+        self.commits: list[tuple[list[bytes], list[SlotRef]]] = []
+        self.aborted: list[SlotRef] = []
+        self._next = 0
+
+    def hello(self, spec: NamespaceSpec) -> Future[HelloReply]:
+        return _done(HelloReply(self.instance_id, self.arena.info(), "ns", self.chunk_bytes))
+
+    def reserve(self, namespace: str, hashes: list[bytes]) -> Future[ReserveReply]:
+        slots = []
+        for _ in hashes:
+            slots.append(SlotRef(self._next, self.chunk_bytes))
+            self._next += self.chunk_bytes
+        return _done(ReserveReply(slots, self.instance_id))
+
+    def commit(
+        self, namespace: str, hashes: list[bytes], slots: list[SlotRef], instance: str
+    ) -> Future[None]:
+        self.commits.append((list(hashes), list(slots)))
+        return _done(None)
+
+    def abort(self, slots: list[SlotRef], instance: str) -> None:
+        self.aborted.extend(slots)
+
+    def release(self, lease_id: str) -> None:
+        pass
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("connector.worker.engine_cpus", lambda: frozenset({0, 1}))
+    kv = [torch.randn(NUM_BLOCKS, BLOCK, 2, 8).to(torch.bfloat16) for _ in range(LAYERS)]
+    page = kv[0][0].numel() * 2
+    spec = NamespaceSpec("m", "bfloat16", "NHD", BLOCK, CHUNK, LAYERS, page)
+    cfg = ConnectorConfig(
+        KVTierSettings(), Geometry(BLOCK, CHUNK), spec, "ns", "engine", NUM_BLOCKS,
+        tuple(f"layer{i}" for i in range(LAYERS)), "recompute", False,
+    )  # fmt: skip
+    chunk_bytes = LAYERS * (CHUNK // BLOCK) * page
+    arena = Arena.create(tmp_path, 8 * chunk_bytes, prefault=False)
+    client = _Client(arena, chunk_bytes)
+    worker = WorkerSide(cfg, client)  # type: ignore[arg-type]
+    worker.register_kv_caches({f"layer{i}": t for i, t in enumerate(kv)})
+    yield worker, client, kv, arena
+    worker.shutdown()
+    arena.close()
+
+
+def _step(worker: WorkerSide, saves: list[SaveJob]) -> None:
+    worker.bind(KVTierMetadata(saves=saves))
+    worker.wait_for_save()
+
+
+def test_saved_chunks_are_committed_with_their_blocks_bytes(setup) -> None:
+    worker, client, kv, arena = setup
+    jobs = [SaveJob("r1", [b"a", b"b", b"c"], [[0, 1], [4, 5], [9, 2]])]
+    _step(worker, jobs)
+    assert [h for h, _ in client.commits] == [[b"a", b"b", b"c"]]
+    slot = client.commits[0][1][2]  # chunk c: blocks 9 then 2, layer by layer
+    got = bytes(arena.view(slot))
+    want = b"".join(t[b].view(torch.uint8).numpy().tobytes() for t in kv for b in (9, 2))
+    assert got == want and not client.aborted
+
+
+def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(setup, monkeypatch) -> None:
+    worker, client, _, _ = setup
+    copier = worker.copier
+    assert copier is not None and copier.cpu_threads == 2  # the second chunk goes to the copy thread
+    real = copier._save_cpu
+
+    def broken(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
+        if runs[0][1] == 4:  # the second chunk's copy fails on the copy thread
+            raise MemoryError("simulated")
+        real(lo, hi, slot, runs, first)
+
+    monkeypatch.setattr(copier, "_save_cpu", broken)
+    _step(worker, [SaveJob("r1", [b"a", b"b"], [[0, 1], [4, 5]])])
+    assert client.commits == []
+    assert len(client.aborted) == 2
+    _step(worker, [SaveJob("r2", [b"d"], [[6, 7]])])  # the next step saves as usual
+    assert [h for h, _ in client.commits] == [[b"d"]]
