@@ -10,20 +10,33 @@ propagates; the thread's own I/O timeouts bound that wait.
 waking its waiters in the same loop iteration. ThreadPoolExecutor plus ``wrap_future`` costs about
 twice that per call here (20 vs 45 us), which is a measurable share of a 2 MiB chunk.
 
+Each worker has a companion ``Lane``, one more thread, so one job can keep both cores busy: the
+worker hands one call to its companion through a ``Handoff`` and goes on with the rest of the job (the
+disk tier checksums a chunk there while the worker writes it, and reads the tail of a chunk there while
+the worker reads and checksums the head). Both release the GIL while they work (``preadv``, xxhash's
+``update``). A handed-off call may use the caller's buffer, so the job settles its Handoff before it
+returns: the job ending still means no thread uses the buffer any more.
+
 Who owns what: a Job's outcome, hook and waiters belong to the event loop that submitted it; its
-thread only runs the call and posts the outcome back.
+thread only runs the call and posts the outcome back. A Handoff belongs to the worker that made it;
+its companion only runs the call, if it gets to it first, and keeps the outcome for the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("kvtier.threads")
+SPIN_S = 200e-6  # the longest wait_released yields the core before it sleeps
 
 
 async def run_to_end(executor: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
@@ -52,6 +65,117 @@ async def wait_quietly(future: asyncio.Future[Any]) -> None:
             continue
     if not future.cancelled():
         future.exception()  # mark the exception retrieved so asyncio does not log it
+
+
+_worker = threading.local()
+
+
+def companion() -> Lane | None:
+    """The lane paired with the IOThreads worker running this code; None on any other thread."""
+    lane: Lane | None = getattr(_worker, "lane", None)
+    return lane
+
+
+class Lane:
+    """One thread running queued calls strictly in order (a worker's companion)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue fn(*args); fn handles its own errors (one that escapes is logged and dropped)."""
+        self._queue.put((fn, args))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args = item
+            del item
+            try:
+                fn(*args)
+            except BaseException:  # a bug in fn: keep the lane alive for the calls queued after it
+                log.exception("uncaught error in %s", self._thread.name)
+            del fn, args  # let go of the caller's buffers before waiting for the next call
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (blocks)."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+class Handoff(Generic[T]):
+    """One call run once, by a worker's companion or by the worker itself, whichever takes it first.
+
+    The worker offers the call to its companion, goes on with its own half of the job, then asks for
+    the result: if the companion has not started yet (its core is busy), the worker runs the call
+    itself rather than wait; if it has, the worker waits for it to end. ``settle`` (in a ``finally``)
+    makes sure the companion will not start it any more and has ended: the call may use the caller's
+    buffer, and the job must not end while it does.
+    """
+
+    __slots__ = ("_call", "_claim", "_error", "_running", "_value")
+
+    def __init__(self, fn: Callable[..., T], *args: Any) -> None:
+        self._call: tuple[Callable[..., T], tuple[Any, ...]] | None = (fn, args)
+        self._claim = threading.Lock()  # whoever takes it runs the call
+        self._running = threading.Lock()  # held by the companion from its start to the call's end
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def offer(self, lane: Lane | None) -> Handoff[T]:
+        """Queue the call on lane (the worker's companion); without one the worker runs it later."""
+        if lane is not None:
+            lane.put(self._help)
+        return self
+
+    def _help(self) -> None:
+        with self._running:
+            if not self._claim.acquire(blocking=False):
+                return  # the worker took it (and may have let go of the call already)
+            try:
+                self._value = self._run()
+            except BaseException as exc:  # raised to the worker by result()
+                self._error = exc
+
+    def _run(self) -> T:
+        assert self._call is not None  # only the claim's holder runs it, before settle()
+        fn, args = self._call
+        return fn(*args)
+
+    def result(self) -> T:
+        """The call's value: run here if the companion has not taken it, else wait for its end."""
+        if self._claim.acquire(blocking=False):
+            return self._run()
+        wait_released(self._running)
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def settle(self) -> None:
+        """Return once the companion will not run the call any more and is not running it."""
+        if not self._claim.acquire(blocking=False):
+            wait_released(self._running)
+        self._call = None  # let go of the caller's buffer, even while the lane still holds this
+
+
+def wait_released(lock: threading.Lock) -> None:
+    """Wait until another thread releases lock, yielding the core for a while before sleeping.
+
+    A thread that sleeps is woken by an inter-processor interrupt once its core has gone idle, which
+    takes 50-100 us on a VM like this one: longer than much of what it waits for. Yielding (the GIL
+    too) keeps the core busy and lets the thread it waits for, or another, run.
+    """
+    deadline = time.perf_counter() + SPIN_S
+    while lock.locked() and time.perf_counter() < deadline:
+        os.sched_yield()
+    with lock:
+        pass
 
 
 # Called on the loop with (value, error) when a job's call has ended, before its waiters wake.
@@ -146,6 +270,7 @@ class IOThreads:
         self._name = name
         self._queue: queue.SimpleQueue[Job[Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._lanes: list[Lane] = []
         self._closed = False
 
     def submit(self, fn: Callable[..., T], *args: Any, hook: DoneHook | None = None) -> Job[T]:
@@ -164,12 +289,15 @@ class IOThreads:
 
     def _start(self) -> None:
         for i in range(self._size):
+            lane = Lane(f"{self._name}-{i}-companion")
+            self._lanes.append(lane)
             # Daemon threads, so a tier that was never closed cannot hang interpreter exit.
-            thread = threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
+            thread = threading.Thread(target=self._work, args=(lane,), name=f"{self._name}-{i}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def _work(self) -> None:
+    def _work(self, lane: Lane) -> None:
+        _worker.lane = lane
         while True:
             job = self._queue.get()
             if job is None:
@@ -184,3 +312,6 @@ class IOThreads:
         for thread in self._threads:
             thread.join()
         self._threads.clear()
+        for lane in self._lanes:  # after the workers: a job may hand calls to its lane until it ends
+            lane.close()
+        self._lanes.clear()

@@ -119,3 +119,26 @@ def test_version_is_the_format_version() -> None:
     blob = codec.encode(key, b"")
     assert int.from_bytes(blob[4:6], "little") == BLOB_FORMAT_VERSION
     assert blob[:4] == codec.MAGIC
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(min_size=0, max_size=1 << 18), st.lists(st.integers(0, 1 << 18), max_size=6))
+def test_checksum_in_parts_and_large_equals_one_shot(payload: bytes, cuts: list[int]) -> None:
+    """The GIL-releasing paths (large buffers, the streaming hasher) give the format's xxh3_64."""
+    import xxhash
+
+    assert codec.checksum(payload) == xxhash.xxh3_64_intdigest(payload)
+    hasher = codec.payload_hasher()
+    view, start = memoryview(payload), 0
+    for cut in sorted(min(c, len(payload)) for c in cuts):
+        hasher.update(view[start:cut])
+        start = cut
+    hasher.update(view[start:])
+    assert hasher.intdigest() == codec.checksum(payload)
+
+
+def test_large_payload_checksum_matches_one_shot() -> None:
+    import xxhash
+
+    payload = bytes(range(256)) * 4096  # 1 MiB: above the size where checksum() releases the GIL
+    assert codec.checksum(memoryview(payload)) == xxhash.xxh3_64_intdigest(payload)

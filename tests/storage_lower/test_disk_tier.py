@@ -122,6 +122,7 @@ class FaultyIO(DiskIO):
         self.short_writes = False
         self.no_preallocate = False  # act as a filesystem without fallocate
         self.preallocations = 0
+        self.fail_reads_from: int | None = None  # file offset from which reads fail with EIO
 
     def _maybe_fail(self, name: str) -> None:
         if name in self.fail:
@@ -136,6 +137,15 @@ class FaultyIO(DiskIO):
     def open_excl(self, path: str) -> int:
         self._maybe_fail("open_excl")
         return super().open_excl(path)
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self._maybe_fail("pwrite")
+        return super().pwrite(fd, data, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self.fail_reads_from is not None and offset >= self.fail_reads_from:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().preadv(fd, buffers, offset)
 
     def preallocate(self, fd: int, size: int) -> bool:
         self._maybe_fail("preallocate")
@@ -353,3 +363,117 @@ def test_preallocate_sizes_the_file(tmp_path: Path) -> None:
         assert os.fstat(fd).st_size == 3 * 4096 + 5
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------------ segmented reads
+# With 4 KiB segments a payload of a few KiB takes the same path as a chunk of megabytes: the worker
+# reads and checksums the head segment by segment while its companion reads the tail.
+SEG = 4096
+ODD = 5 * SEG + 123  # not a multiple of the segment size
+HEADER = BLOB - CHUNK
+
+
+async def segmented(path: Path, io: DiskIO | None = None) -> DiskTier:
+    tier = await started(path, io=io)
+    tier.segment = SEG
+    assert SEG < tier._split(ODD) < ODD - SEG  # a head of several segments, and a tail
+    return tier
+
+
+def decoded(tier: DiskTier, i: int) -> bytes:
+    """The payload of key i's file, decoded apart from the tier (header and checksum verified)."""
+    return bytes(codec.decode(Path(tier.path_of(key(i))).read_bytes(), key(i)))
+
+
+async def test_segmented_round_trip_with_and_without_companion(tmp_path: Path) -> None:
+    tier = await segmented(tmp_path)
+    for i in range(3):
+        assert await tier.put(key(i), payload(i, ODD))
+    for i in range(3):
+        assert await read(tier, i, ODD) == bytes(payload(i, ODD))  # in an I/O thread: companion
+    dest = bytearray(ODD)
+    tier._read_file(key(1), memoryview(dest))  # not on an I/O thread: the caller reads it all
+    assert dest == bytes(payload(1, ODD))
+    assert decoded(tier, 2) == bytes(payload(2, ODD))  # the checksum came from the put's companion
+    assert tier.stats().errors == {}
+    await tier.close()
+
+
+async def test_segmented_empty_and_one_segment_payloads(tmp_path: Path) -> None:
+    tier = await segmented(tmp_path)
+    for i, size in enumerate((0, 1, SEG, SEG + 1, 2 * SEG)):
+        assert await tier.put(key(i), payload(i, size))
+        assert await read(tier, i, size) == bytes(payload(i, size))
+    await tier.close()
+
+
+def cut(path: str, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def grow(path: str) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0")
+
+
+async def test_segmented_damage_anywhere_is_a_counted_miss(tmp_path: Path) -> None:
+    tier = await segmented(tmp_path)
+    split = tier._split(ODD)
+    damages = [
+        lambda p: flip_bit(p, HEADER + ODD - 1),  # last byte, in the tail's last segment
+        lambda p: flip_bit(p, HEADER + split - 1),  # last byte of the worker's share
+        lambda p: flip_bit(p, HEADER + SEG + 17),  # a head segment after the first
+        lambda p: cut(p, HEADER + ODD - 100),  # truncated mid-segment, in the tail
+        lambda p: cut(p, HEADER + SEG + 100),  # truncated mid-segment, in the head
+        grow,  # a byte past the end
+    ]
+    for i, damage_file in enumerate(damages):
+        assert await tier.put(key(i), payload(i, ODD))
+        damage_file(tier.path_of(key(i)))
+    for i in range(len(damages)):
+        assert await read(tier, i, ODD) is None
+    stats = tier.stats()
+    assert stats.errors == {"corrupt": len(damages)} and stats.misses == len(damages)
+    assert files(tmp_path) == []  # corrupt files are removed
+    await tier.close()
+
+
+async def test_segmented_length_mismatch_is_not_corruption(tmp_path: Path) -> None:
+    tier = await segmented(tmp_path)
+    assert await tier.put(key(1), payload(1, ODD))
+    assert await read(tier, 1, ODD - 1) is None
+    assert tier.stats().errors == {"length_mismatch": 1}
+    assert await read(tier, 1, ODD) == bytes(payload(1, ODD))
+    await tier.close()
+
+
+async def test_read_error_in_the_tail_is_counted_and_keeps_the_file(tmp_path: Path) -> None:
+    io = FaultyIO()
+    tier = await segmented(tmp_path, io=io)
+    assert await tier.put(key(1), payload(1, ODD))
+    io.fail_reads_from = HEADER + tier._split(ODD)  # the companion's part (or the worker's, if late)
+    assert await read(tier, 1, ODD) is None
+    assert tier.stats().errors == {"eio": 1}
+    assert await tier.contains_many([key(1)]) == [True]  # an I/O error is no proof of rot
+    io.fail_reads_from = None
+    assert await read(tier, 1, ODD) == bytes(payload(1, ODD))
+    await tier.close()
+
+
+async def test_header_write_failure_leaves_no_temp_file(tmp_path: Path) -> None:
+    io = FaultyIO()
+    tier = await segmented(tmp_path, io=io)
+    io.fail["pwrite"] = errno.ENOSPC  # the header goes in last, after the payload and its checksum
+    assert not await tier.put(key(1), payload(1, ODD))
+    assert tier.stats().errors == {"enospc": 1}
+    assert files(tmp_path) == [] and tier.stats().bytes == 0
+    await tier.close()
+
+
+async def test_concurrent_segmented_gets_into_separate_buffers(tmp_path: Path) -> None:
+    tier = await segmented(tmp_path)
+    assert all(await asyncio.gather(*(tier.put(key(i), payload(i, ODD)) for i in range(12))))
+    got = await asyncio.gather(*(read(tier, i, ODD) for i in range(12)))
+    assert got == [bytes(payload(i, ODD)) for i in range(12)]
+    await tier.close()

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from storage.tiers.threads import IOThreads
+from storage.tiers.threads import Handoff, IOThreads, Lane, companion
 
 
 async def test_value_error_and_hook_order() -> None:
@@ -65,3 +65,128 @@ async def test_close_runs_queued_calls_then_refuses_new_ones() -> None:
     assert [await job.result() for job in jobs] == list(range(5))
     with pytest.raises(RuntimeError, match="closed"):
         threads.submit(lambda: None)
+
+
+def test_companion_is_only_on_worker_threads() -> None:
+    assert companion() is None
+
+
+async def test_each_worker_has_its_own_companion_and_close_stops_them() -> None:
+    threads = IOThreads(2, "test-lanes")
+    barrier = threading.Barrier(2, timeout=10)
+
+    def lane_of_this_worker() -> Lane | None:
+        barrier.wait()  # both workers busy at once, so the two calls run on different workers
+        return companion()
+
+    lanes = await asyncio.gather(*(threads.run(lane_of_this_worker) for _ in range(2)))
+    assert all(lane is not None for lane in lanes) and lanes[0] is not lanes[1]
+
+    def ours() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("test-lanes"))
+
+    assert len(ours()) == 4  # two workers, two companions
+    await asyncio.get_running_loop().run_in_executor(None, threads.close)
+    assert ours() == []
+
+
+async def test_handoff_runs_on_the_companion_and_returns_its_value() -> None:
+    threads = IOThreads(1, "test-io")
+
+    def job() -> tuple[str, str]:
+        started = threading.Event()
+
+        def on_companion() -> str:
+            started.set()
+            return threading.current_thread().name
+
+        handoff = Handoff(on_companion).offer(companion())
+        try:
+            started.wait(10)  # let the companion take it before asking
+            return threading.current_thread().name, handoff.result()
+        finally:
+            handoff.settle()
+
+    worker, ran_on = await threads.run(job)
+    assert ran_on == f"{worker}-companion"
+    await asyncio.get_running_loop().run_in_executor(None, threads.close)
+
+
+async def test_handoff_the_companion_has_not_started_runs_in_the_worker_once() -> None:
+    threads = IOThreads(1, "test-io")
+    release = threading.Event()
+    calls: list[str] = []
+
+    def job() -> str:
+        lane = companion()
+        busy = Handoff(release.wait, 10).offer(lane)  # keeps the companion busy
+        late = Handoff(lambda: calls.append(threading.current_thread().name) or "ran").offer(lane)
+        try:
+            return late.result()  # the companion is busy: the worker runs it itself
+        finally:
+            late.settle()
+            release.set()
+            busy.settle()
+
+    assert await threads.run(job) == "ran"
+    await asyncio.get_running_loop().run_in_executor(None, threads.close)  # runs the queued help
+    assert calls == ["test-io-0"]  # never run a second time by the companion
+
+
+async def test_handoff_error_reaches_the_worker() -> None:
+    threads = IOThreads(1, "test-io")
+
+    def job() -> None:
+        started = threading.Event()
+
+        def fail() -> None:
+            started.set()
+            raise OSError(5, "Input/output error")
+
+        handoff = Handoff(fail).offer(companion())
+        try:
+            started.wait(10)
+            handoff.result()
+        finally:
+            handoff.settle()
+
+    with pytest.raises(OSError, match="Input/output"):
+        await threads.run(job)
+    await asyncio.get_running_loop().run_in_executor(None, threads.close)
+
+
+async def test_cancelled_waiter_holds_on_until_the_companion_call_ended() -> None:
+    """A job settles its Handoff, so cancelling its waiter cannot free a buffer the companion uses."""
+    threads = IOThreads(1, "test-io")
+    started, release = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def on_companion() -> None:
+        started.set()
+        release.wait(10)
+        ended.append("companion")
+
+    def job() -> None:
+        handoff = Handoff(on_companion).offer(companion())
+        try:
+            started.wait(10)
+            raise RuntimeError("the worker's half failed")  # the companion is still running
+        finally:
+            handoff.settle()
+
+    waiter = asyncio.create_task(threads.run(job))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    waiter.cancel()
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # the companion still uses the buffer: the waiter holds on
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert ended == ["companion"]
+    await asyncio.get_running_loop().run_in_executor(None, threads.close)
+
+
+def test_handoff_without_companion_runs_in_the_caller() -> None:
+    handoff = Handoff(lambda a, b: a * b, 6, 7).offer(None)
+    assert handoff.result() == 42
+    handoff.settle()
