@@ -26,8 +26,10 @@ from typing import Any, Protocol
 from app import protocol as p
 
 RECV_BYTES = 1 << 18
+PENDING = futures_base.PENDING
 FINISHED = futures_base.FINISHED
 DONE = frozenset({futures_base.CANCELLED, futures_base.CANCELLED_AND_NOTIFIED, FINISHED})
+_CONDITIONS = threading.Lock()  # makes each Call's condition once (see Call)
 
 
 class Reader(Protocol):
@@ -39,31 +41,90 @@ class Reader(Protocol):
 
 class Call(Future[Any]):
     """One call and its future; a thread that waits on it reads the replies itself (through its
-    reader) instead of waiting for the loop thread to complete it."""
+    reader) instead of waiting for the loop thread to complete it.
+
+    Future.__init__ is not run: its ``threading.Condition`` costs more than the rest of a call's
+    client-side bookkeeping, and a caller that reads its own reply never needs it. The condition
+    and Future's lists of waiters and callbacks are made on first use instead (see
+    ``_condition``); until then nobody can be waiting on the call or have added a callback, so
+    ``set_result`` and ``set_exception`` just record the outcome. (Properties, not __getattr__: a
+    class with __getattr__ makes every attribute read of its instances about 3x slower.)
+    """
+
+    # Future's fields start as class attributes: an instance stores them once they change.
+    _state = PENDING
+    _result: Any = None
+    _exception: BaseException | None = None
+    _cond: threading.Condition | None = None  # see _condition
+    _waiter_list: list[Any]
+    _callback_list: list[Callable[[Future[Any]], object]]
 
     def __init__(
         self,
         reader: Reader | None,
         call_id: int,
         frame: bytes,
-        reply_type: type,
-        convert: Callable[[Any], Any],
+        expect: tuple[type, Callable[[Any], Any]],
         deadline: float = math.inf,
     ) -> None:
-        super().__init__()
         self.reader = reader  # None: never reads (the handshake's calls, awaited on the loop thread)
         self.id = call_id
         self.frame = frame
-        self.reply_type = reply_type
-        self.convert = convert
+        self.expect = expect  # the reply type that answers it, and what turns that into the result
         self.deadline = deadline  # the sweep fails the call then: no reason to read beyond it
+
+    # Read-only properties over Future's attributes: Future's own code only ever reads them.
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        """Future's condition, made with its lists the first time anyone asks for it."""
+        if self._cond is None:
+            with _CONDITIONS:  # every thread that asks must get the same one
+                if self._cond is None:
+                    self._waiter_list = []
+                    self._callback_list = []
+                    self._cond = threading.Condition()  # last: who sees it sees the lists
+        return self._cond
+
+    @property
+    def _waiters(self) -> list[Any]:  # type: ignore[override]
+        """Future's list of waiters (concurrent.futures.wait), made with the condition."""
+        _ = self._condition
+        return self._waiter_list
+
+    @property
+    def _done_callbacks(self) -> list[Callable[[Future[Any]], object]]:
+        """Future's list of callbacks, made with the condition."""
+        _ = self._condition
+        return self._callback_list
+
+    def set_result(self, result: Any) -> None:
+        """Complete the call (InvalidStateError when it is done already)."""
+        with _CONDITIONS:
+            if self._cond is None:  # nobody waits on it, nor can start to meanwhile
+                if self._state in DONE:
+                    raise InvalidStateError(f"{self._state}: {self!r}")
+                self._result = result
+                self._state = FINISHED  # last: a lock-free reader that sees it sees the result too
+                return
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Fail the call (InvalidStateError when it is done already)."""
+        with _CONDITIONS:
+            if self._cond is None:
+                if self._state in DONE:
+                    raise InvalidStateError(f"{self._state}: {self!r}")
+                self._exception = exception
+                self._state = FINISHED
+                return
+        super().set_exception(exception)
 
     def result(self, timeout: float | None = None) -> Any:
         """The call's result, reading replies in this thread while it waits."""
-        if self.reader is not None and self._state not in DONE:  # type: ignore[attr-defined]
+        if self._state not in DONE and self.reader is not None:
             timeout = self.reader.await_reply(self, timeout)
-            if self._state is FINISHED and self._exception is None:  # type: ignore[attr-defined]
-                return self._result  # type: ignore[attr-defined]  # read it here: no lock needed
+        if self._state is FINISHED and self._exception is None:
+            return self._result  # read here: no condition needed once it is finished
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -82,7 +143,7 @@ class Call(Future[Any]):
         """done() without reading."""
         # The lock-free read of the state that concurrent.futures.wait() does too: done() takes
         # the future's lock, and the wait loop asks after every reply it reads.
-        return self._state in DONE  # type: ignore[attr-defined]
+        return self._state in DONE
 
 
 def fail(future: Future[Any], exc: BaseException) -> None:
@@ -97,14 +158,6 @@ def fail_calls(calls: list[Call], exc: BaseException) -> None:
     """Fail every call."""
     for call in calls:
         fail(call, exc)
-
-
-def resolve(future: Future[Any], value: object) -> None:
-    """Complete future unless it is done already."""
-    try:  # not contextlib.suppress: building one per reply costs more than the rest of this
-        future.set_result(value)
-    except InvalidStateError:
-        pass
 
 
 def failed(exc: BaseException) -> Future[Any]:
@@ -206,10 +259,11 @@ class Channel:
             self.sock.close()
 
     def wait_readable(self, timeout: float | None) -> bool:
-        """Block (GIL released) until a reply may be read or timeout seconds passed (holder only)."""
+        """Block (GIL released) until a reply may be read or timeout seconds passed (none when
+        timeout <= 0; holder of reading only)."""
         if timeout is None or timeout == math.inf:  # a call made with timeout=math.inf
             return bool(self._poller.poll(None))
-        return bool(self._poller.poll(timeout * 1000.0))
+        return bool(self._poller.poll(timeout * 1000.0 if timeout > 0.0 else 0))
 
     def receive(self) -> list:
         """Read what arrived and decode the complete replies (holder of reading).

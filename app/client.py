@@ -34,13 +34,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from app import protocol as p
 from app.address import Address, parse_url
 from app.affinity import engine_cpus, run_on
-from app.channel import DONE, Call, Channel, fail, fail_calls, failed, resolve
+from app.channel import DONE, Call, Channel, fail, fail_calls, failed
 from app.client_types import (
     CONVERT,
     AuthFailed,
@@ -90,6 +90,22 @@ SWEEP_PERIOD_S = 0.01  # timeouts fire within this much of their deadline
 _DOWN, _CONNECTING, _READY, _CLOSED = "down", "connecting", "ready", "closed"
 
 
+class _Forks:
+    """How many times this process is a forked child: a client made before a fork serves only the
+    process that made it, and comparing a count costs less than os.getpid() (a system call) per call."""
+
+    count = 0
+
+    @classmethod
+    def bump(cls) -> None:
+        """Run in every forked child."""
+        cls.count += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Forks.bump)
+
+
 class ServiceClient:
     """Thread-safe client of one kvtier service; every call returns a concurrent Future."""
 
@@ -113,7 +129,7 @@ class ServiceClient:
         self._backoff: Backoff = backoff or ExponentialBackoff()
         self._on_unavailable = on_unavailable
         self._on_connect = on_connect
-        self._pid = os.getpid()
+        self._forks = _Forks.count  # differs in a forked child: see _Forks
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -233,7 +249,7 @@ class ServiceClient:
         self._closed = True
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
-        if os.getpid() != self._pid or not self._thread.is_alive():
+        if self._forks != _Forks.count or not self._thread.is_alive():
             return
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._shutdown)
@@ -248,23 +264,25 @@ class ServiceClient:
 
     # ---------------------------------------------------------------------------------- caller side
     def _encoder(self) -> p.FrameEncoder:
-        enc = getattr(self._local, "encoder", None)
-        if enc is None:
-            enc = self._local.encoder = p.FrameEncoder()
-        return enc  # type: ignore[no-any-return]
+        local = self._local
+        try:
+            return local.encoder  # type: ignore[no-any-return]
+        except AttributeError:  # this thread's first call
+            local.encoder = p.FrameEncoder()
+            return local.encoder  # type: ignore[no-any-return]
 
     def _call(self, msg: Any, timeout: float | None) -> Future[Any]:
-        if self._closed or os.getpid() != self._pid:
+        if self._closed or self._forks != _Forks.count:
             return failed(ClientClosed("the client is closed (or was created in another process)"))
-        if self._state == _DOWN:  # unlocked read: failing fast must not wait for the lock
+        if self._state is _DOWN:  # unlocked read: failing fast must not wait for the lock
             return failed(self._unavailable())
-        reply_type, convert = CONVERT[type(msg)]
+        expect = CONVERT[type(msg)]
         try:
             frame = self._encoder().encode(msg)
         except p.ProtocolError as exc:
             return failed(ServiceError(str(exc)))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        call = Call(self, msg.id, frame, reply_type, convert, deadline)
+        call = Call(self, msg.id, frame, expect, deadline)
         on_loop = threading.get_ident() == self._loop_thread
         with self._lock:
             channel = self._channel
@@ -330,9 +348,7 @@ class ServiceClient:
         runs every SWEEP_PERIOD_S while any call is waiting or the loop thread is not watching."""
         now = time.monotonic()
         with self._lock:
-            expired = [c for c in self._pending.values() if c.deadline <= now]
-            for call in expired:
-                del self._pending[call.id]
+            expired = self._take_expired(now)
             queued = [c for c in self._queue if c.deadline <= now]
             for call in queued:
                 self._queue.remove(call)
@@ -348,6 +364,15 @@ class ServiceClient:
             fail(call, CallTimeout(f"not connected to {self.url} in time"))
         if not idle:
             self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
+
+    def _take_expired(self, now: float) -> list[Call]:
+        """Remove and return the calls in flight past their deadline (caller holds the lock)."""
+        # A reader pops its replies without the lock: iterate over a copy made in one C call (no
+        # thread switch in between; iterating the dict itself raised "changed size during
+        # iteration" and killed the sweep), and take only the calls still there.
+        pending = self._pending
+        late = [c for c in list(pending.values()) if c.deadline <= now]
+        return [c for c in late if pending.pop(c.id, None) is not None]
 
     def _readable(self, channel: Channel) -> None:
         """Replies arrived and the loop thread watches for them (loop thread)."""
@@ -378,10 +403,17 @@ class ServiceClient:
         pending = self._pending
         for reply in replies:
             call = pending.pop(reply.id, None)  # atomic; callers insert under the lock
-            if call is not None:
-                self._complete(call, reply)
-            else:
+            if call is None:
                 self._late(reply)
+                continue
+            reply_type, convert = call.expect
+            if type(reply) is reply_type:  # the usual answer, inline: this runs for every reply
+                try:
+                    call.set_result(convert(reply))
+                except InvalidStateError:  # timed out meanwhile
+                    pass
+            else:
+                self._refused(call, reply)
         return None
 
     def await_reply(self, future: Call, timeout: float | None) -> float | None:
@@ -400,15 +432,15 @@ class ServiceClient:
         if not channel.reading.acquire(blocking=False):
             return timeout
         until = math.inf if timeout is None else time.monotonic() + timeout
+        stop = min(until, future.deadline)  # the sweep fails the call at its deadline: no reading beyond
         error = None
         try:
-            while future._state not in DONE and not channel.closed:  # type: ignore[attr-defined]
-                # Up to the call's own deadline at most: the sweep fails it then.
-                wait = min(until, future.deadline) - time.monotonic()
-                if channel.wait_readable(wait if wait > 0.0 else 0.0):
+            while future._state not in DONE and not channel.closed:
+                left = stop - time.monotonic()
+                if channel.wait_readable(left):
                     if error := self._read(channel):
                         break
-                elif wait <= 0.0:
+                elif left <= 0.0:
                     break
         finally:
             channel.leave()
@@ -442,11 +474,10 @@ class ServiceClient:
             if slots:
                 self._call(p.Abort(id=next(self._ids), slots=slots, instance_id=reply.instance_id), None)
 
-    def _complete(self, call: Call, reply: Any) -> None:
+    def _refused(self, call: Call, reply: Any) -> None:
+        """Fail call with what its reply says went wrong (a reply not of the type it expects)."""
         kind = type(reply)
-        if kind is call.reply_type:
-            resolve(call, call.convert(reply))
-        elif kind is p.ErrorReply:
+        if kind is p.ErrorReply:
             fail(call, remote_error(reply))
         else:
             fail(call, ServiceError(f"unexpected {kind.__name__} to a call"))
@@ -595,8 +626,7 @@ class ServiceClient:
         deadline = time.monotonic() + self._connect_timeout
         for spec in specs:
             msg = p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
-            reply_type, convert = CONVERT[p.Hello]
-            call = Call(None, msg.id, self._encoder().encode(msg), reply_type, convert, deadline)
+            call = Call(None, msg.id, self._encoder().encode(msg), CONVERT[p.Hello], deadline)
             with self._lock:
                 self._pending[call.id] = call
                 if not channel.write(call.frame, on_loop=True):

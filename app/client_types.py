@@ -124,7 +124,10 @@ def _hello(msg: p.HelloReply) -> HelloReply:
 
 
 def _lookup(msg: p.LookupReply) -> LookupReply:
-    return LookupReply(LookupResult(msg.num_hit, msg.tiers, msg.slots), msg.instance_id)
+    tiers = msg.tiers
+    if not isinstance(tiers, list):  # every hit is in this tier (see protocol.LookupReply)
+        tiers = [tiers] * msg.num_hit
+    return LookupReply(LookupResult(msg.num_hit, tiers, msg.slots), msg.instance_id)
 
 
 def _stage(msg: p.StageReply) -> StageReply:

@@ -18,7 +18,7 @@ import msgspec
 
 from storage.base import NamespaceSpec, SlotRef, Tier
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: LookupReply.tiers may be one Tier for all hits
 HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
 # A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
@@ -143,6 +143,11 @@ class Health(_Msg, tag="health"):
     """Whether the service can serve, and each tier's state."""
 
 
+def one_tier(tiers: list[Tier]) -> list[Tier] | Tier:
+    """tiers as LookupReply carries them: their one Tier when they are all the same."""
+    return tiers[0] if tiers and tiers.count(tiers[0]) == len(tiers) else tiers
+
+
 Request = Hello | Lookup | Stage | Reserve | Commit | Abort | Release | Delete | Clear | Stats | Health
 
 
@@ -159,10 +164,14 @@ class HelloReply(_Msg, tag="hello_ok"):
 
 
 class LookupReply(_Msg, tag="lookup_ok"):
-    """Answer of Lookup: the tier of each hit, and its arena slot when it is a CPU-tier hit."""
+    """Answer of Lookup: the tier of each hit, and its arena slot when it is a CPU-tier hit.
+
+    ``tiers`` is a single Tier when every hit is in that tier (the usual answer: one small int on
+    the wire instead of one per chunk, see one_tier); receivers expand it to num_hit entries.
+    """
 
     num_hit: int
-    tiers: list[Tier]
+    tiers: list[Tier] | Tier
     slots: list[SlotRef | None]
     instance_id: str
 
@@ -275,12 +284,14 @@ class FrameDecoder:
 
     def feed(self, data: bytes | bytearray | memoryview) -> list:
         """Append received bytes and return the messages they complete."""
-        if not self._buf and len(data) > HEADER_BYTES:
-            # The usual case, one whole frame and nothing left over: decode it straight away.
-            (size,) = HEADER.unpack_from(data)
-            if len(data) - HEADER_BYTES == size <= self._max:
-                with memoryview(data) as view:
-                    return [self._decode(view[HEADER_BYTES:], size)]
+        size = len(data) - HEADER_BYTES
+        if not self._buf and size > 0 and HEADER.unpack_from(data)[0] == size <= self._max:
+            # The usual case, one whole frame and nothing left over: decode it straight away (a
+            # slice of bytes copies a few KB, which costs less than setting up a memoryview).
+            try:
+                return [self._decoder.decode(data[HEADER_BYTES:])]
+            except Exception:  # _decode says how
+                return [self._decode(data[HEADER_BYTES:], size)]
         if self._buf:
             self._buf += data
             with memoryview(self._buf) as view:
@@ -309,7 +320,7 @@ class FrameDecoder:
             pos = stop
         return out, pos
 
-    def _decode(self, payload: memoryview, size: int) -> object:
+    def _decode(self, payload: bytes | bytearray | memoryview, size: int) -> object:
         try:
             return self._decoder.decode(payload)
         except Exception as exc:

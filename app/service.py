@@ -16,6 +16,8 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from itertools import repeat
+from operator import itemgetter
 from typing import Any, cast
 
 from app import protocol as p
@@ -36,6 +38,9 @@ from storage.base import (
 log = logging.getLogger("kvtier.service")
 
 CLOSE_GRACE_S = 2.0  # a closed connection's unread replies may take this long before it is cut
+# C-level getters for map(): a 64-slot call costs no Python frame per slot.
+_first = itemgetter(0)  # a slot's offset; an ownership entry's SlotRef
+_second = itemgetter(1)  # an ownership entry's connection
 
 
 class CallError(Exception):
@@ -394,7 +399,7 @@ class Service:
         reply = p.LookupReply(
             id=msg.id,
             num_hit=result.num_hit,
-            tiers=result.tiers,
+            tiers=p.one_tier(result.tiers),
             slots=result.slots,
             instance_id=self.instance_id,
         )
@@ -440,11 +445,10 @@ class Service:
     def _reserved(
         self, conn: Connection, msg: p.Reserve, slots: list[SlotRef | None], start: float
     ) -> p.Reply:
-        owned, mine = self._slots, conn.slots
-        for ref in slots:
-            if ref is not None:
-                owned[ref.offset] = (ref, conn)
-                mine.add(ref.offset)
+        granted = list(filter(None, slots))  # a SlotRef is a non-empty tuple: always true
+        offsets = list(map(_first, granted))
+        self._slots.update(zip(offsets, zip(granted, repeat(conn)), strict=True))
+        conn.slots.update(offsets)
         self.metrics.observe("reserve", time.perf_counter() - start)
         return p.ReserveReply(id=msg.id, slots=slots, instance_id=self.instance_id)
 
@@ -469,6 +473,17 @@ class Service:
         self._check_instance(msg.instance_id)
         if len(msg.hashes) != len(msg.slots):
             raise CallError(p.ErrorCode.BAD_REQUEST, "commit needs one slot per hash")
+        found: list[Any] = list(map(self._slots.get, map(_first, msg.slots)))
+        try:
+            refs: list[SlotRef] = list(map(_first, found))
+        except TypeError:  # a None: some slot is not reserved (any more); sort them out below
+            return self._to_commit_each(msg)
+        if refs != msg.slots:  # a wire slot is (offset, length): equal to its SlotRef, compared in C
+            return self._to_commit_each(msg)
+        return msg.hashes, refs
+
+    def _to_commit_each(self, msg: p.Commit) -> tuple[list[bytes], list[SlotRef]]:
+        """_to_commit(), slot by slot."""
         owned = self._slots
         hashes: list[bytes] = []
         slots: list[SlotRef] = []
@@ -515,11 +530,15 @@ class Service:
         return entry[0] if entry is not None and entry[0].length == slot[1] else None
 
     def _disown(self, slots: list[SlotRef]) -> None:
-        owned = self._slots
-        for slot in slots:
-            entry = owned.pop(slot.offset, None)
-            if entry is not None:
-                entry[1].slots.discard(slot.offset)
+        """Forget who owns these slots (committed or aborted now)."""
+        offsets = list(map(_first, slots))
+        entries = list(filter(None, map(self._slots.pop, offsets, repeat(None))))
+        owners = set(map(_second, entries))
+        if len(owners) == 1:  # the usual: one connection reserved them all
+            owners.pop().slots.difference_update(offsets)
+            return
+        for ref, owner in entries:
+            owner.slots.discard(ref.offset)
 
     async def _delete(self, conn: Connection, msg: p.Delete) -> p.Reply:
         return p.CountReply(id=msg.id, count=await self.store.delete(msg.namespace, msg.hashes))
@@ -567,12 +586,20 @@ class Service:
 
     def _own_lease(self, conn: Connection, lease_id: str) -> None:
         """Record conn as the lease's owner, and forget leases the store has expired by now."""
+        leases = self._leases
+        previous = leases.pop(lease_id, None)  # popped and put back: the table is in expiry order
+        owner = previous[0] if previous is not None else None
+        if owner is not conn:  # a repeated lookup on the same connection owns it already
+            if owner is not None:
+                owner.leases.discard(lease_id)
+            conn.leases.add(lease_id)
         now = self._clock()
-        previous = self._leases.pop(lease_id, None)
-        if previous is not None and previous[0] is not conn:
-            previous[0].leases.discard(lease_id)
-        self._leases[lease_id] = (conn, now + self._lease_ttl)
-        conn.leases.add(lease_id)
+        leases[lease_id] = (conn, now + self._lease_ttl)
+        if next(iter(leases.values()))[1] <= now:
+            self._forget_expired(now)
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop ownership of the leases the store has expired by now (the oldest come first)."""
         leases = self._leases
         while leases:
             first = next(iter(leases))

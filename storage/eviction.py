@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from itertools import repeat
+from itertools import compress, islice, repeat
+from operator import not_
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -90,16 +91,19 @@ class LRUPolicy(Generic[K]):
         """Keys from least to most recently used (do not mutate while iterating)."""
         return iter(self._order)
 
-    def victims(self, need_bytes: int, pinned: Callable[[K], bool]) -> list[K]:
+    def victims(self, need_bytes: int, pinned: Callable[[K], object]) -> list[K]:
         """LRU-first unpinned keys whose sizes add up to need_bytes; [] when they cannot.
 
-        Nothing is removed: the caller evicts the victims and calls remove() for each. Pinned keys the
-        scan walks past are in use, so they count as recently used: moving them to the end keeps the
-        next scan from walking past them again (without it, a full arena of leased chunks made every
-        reserve scan them all).
+        pinned(key) is true for a key that must stay. Nothing is removed: the caller evicts the
+        victims and calls remove() for each. Pinned keys the scan walks past are in use, so they
+        count as recently used: moving them to the end keeps the next scan from walking past them
+        again (without it, a full arena of leased chunks made every reserve scan them all).
         """
         if need_bytes <= 0:
             return []
+        head = self._head_victims(need_bytes, pinned)
+        if head is not None:
+            return head
         chosen: list[K] = []
         skipped: list[K] = []
         freed = 0
@@ -114,3 +118,38 @@ class LRUPolicy(Generic[K]):
         for key in skipped:
             self._order.move_to_end(key)
         return chosen if freed >= need_bytes else []
+
+    def _head_victims(self, need_bytes: int, pinned: Callable[[K], object]) -> list[K] | None:
+        """victims() in C-level passes over the least recently used keys, when they are of one size
+        (a full arena of one chunk size); None when the scan must decide. A C-level predicate
+        (operator.attrgetter) keeps it free of Python frames."""
+        order = self._order
+        if not order:
+            return None
+        size = next(iter(order.values()))
+        if size <= 0:
+            return None
+        count = -(-need_bytes // size)
+        keys = iter(order)
+        head: list[K] = []
+        free: list[bool] = []  # per key of head: not pinned
+        have, step = 0, count
+        while have < count:  # read on until head holds count unpinned keys
+            more = list(islice(keys, step))
+            if not more:
+                return None  # too few unpinned keys in all: the scan decides (and reorders)
+            flags = list(map(not_, map(pinned, more)))
+            head += more
+            free += flags
+            have += flags.count(True)
+            step = 2 * (count - have)
+        if have == len(head):  # the usual case: nothing pinned in the way
+            chosen, stop = head[:count], count
+        else:
+            stop = list(compress(range(len(head)), free))[count - 1] + 1
+            chosen = list(compress(head[:stop], free))
+        if list(map(order.__getitem__, chosen)).count(size) != count:
+            return None
+        # Pinned keys walked past count as recently used (see victims).
+        deque(map(order.move_to_end, list(compress(head[:stop], map(not_, free)))), maxlen=0)
+        return chosen

@@ -101,13 +101,13 @@ class LeaseTable:
 
     def sweep(self) -> list[Lease]:
         """Remove and return every expired lease."""
-        now = self._clock()
+        leases, now = self._leases, self._clock()
         expired: list[Lease] = []
-        while self._leases:
-            lease = next(iter(self._leases.values()))
+        while leases:
+            lease = next(iter(leases.values()))
             if lease.expires_at > now:
                 break
-            del self._leases[lease.lease_id]
+            del leases[lease.lease_id]
             expired.append(lease)
         return expired
 

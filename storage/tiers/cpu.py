@@ -14,16 +14,23 @@ Zero copy: ``commit`` publishes the slot a worker filled; no byte is moved.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, itemgetter
+from typing import cast
+
+import msgspec
 
 from storage.arena import SlotAllocator
 from storage.base import ChunkKey, SlotRef, SlotStateError, Tier, TierStats
 from storage.eviction import LRUPolicy
 
 
-@dataclass(slots=True, eq=False)  # one slot's state: compared and hashed by identity, cheaply
-class CpuEntry:
+# One slot's state: compared and hashed by identity, cheaply. A msgspec Struct, not a dataclass:
+# its __init__ runs in C (a 64-chunk commit makes 64 of them), and gc=False since it refers to no
+# container that could lead back to it.
+class CpuEntry(msgspec.Struct, eq=False, gc=False):
     """A committed chunk: its slot, how many holders pin it, and whether lower tiers have it."""
 
     key: ChunkKey
@@ -31,6 +38,14 @@ class CpuEntry:
     pins: int = 0
     persisted: bool = False  # queued for, or read from, the lower tiers: never queue it again
     indexed: bool = True  # False once deleted or replaced while still pinned
+
+
+# C-level getters for map(): batches of chunks cost no Python frame per chunk.
+_pins_of = attrgetter("pins")  # true (non-zero) for a pinned entry: the LRU's victim predicate
+_namespace_of = itemgetter(0)  # of a ChunkKey
+_hash_of = itemgetter(1)  # of a ChunkKey
+_offset_of = itemgetter(0)  # of a SlotRef
+_length_of = itemgetter(1)  # of a SlotRef
 
 
 class CpuTier:
@@ -69,6 +84,18 @@ class CpuTier:
         except TypeError:  # unhashable hashes (bytearray): keys hold bytes, and bytes() costs a call
             return list(map(chunks.get, map(bytes, hashes)))
 
+    def prefix(self, namespace: str, hashes: Sequence[bytes]) -> list[CpuEntry]:
+        """The indexed entries of the leading chunks of namespace named by hashes, up to the first
+        one not stored (a fresh list; no stats, no LRU)."""
+        chunks = self._index.get(namespace)
+        if chunks is None:
+            return []
+        try:
+            return list(map(chunks.__getitem__, hashes))  # all stored: no scan for the first miss
+        except (KeyError, TypeError):  # one is missing (or unhashable: see entries)
+            entries = self.entries(namespace, hashes)
+            return cast("list[CpuEntry]", entries[: entries.index(None)] if None in entries else entries)
+
     def get(self, key: ChunkKey) -> SlotRef | None:
         """The slot of key, or None (no stats, no LRU change)."""
         entry = self.entry(key)
@@ -81,14 +108,15 @@ class CpuTier:
             self._lru.touch(entry)
 
     def touch_entries(self, entries: Sequence[CpuEntry]) -> None:
-        """Mark these indexed entries most recently used, in order."""
+        """Mark these entries most recently used, in order (those no longer indexed are skipped)."""
         self._lru.touch_many(entries)
 
     def count_lookup(self, hits: int, hit_bytes: int, misses: int) -> None:
         """Add one lookup's hits and misses of this tier."""
-        self._stats.hits += hits
-        self._stats.bytes_read += hit_bytes
-        self._stats.misses += misses
+        stats = self._stats
+        stats.hits += hits
+        stats.bytes_read += hit_bytes
+        stats.misses += misses
 
     @property
     def allocator(self) -> SlotAllocator:
@@ -106,7 +134,7 @@ class CpuTier:
                 return slot
             # Fragmentation can leave free bytes without a fitting hole: evict at least one chunk.
             need = max(self._alloc.extent(length) - self._alloc.free_bytes, 1)
-            victims = self._lru.victims(need, _pinned)
+            victims = self._lru.victims(need, _pins_of)
             if not victims:
                 return None
             for entry in victims:
@@ -125,7 +153,7 @@ class CpuTier:
             # A victim's slot of the very length wanted is handed on as it is, without a round trip
             # through the allocator. When the unpinned chunks cannot cover it all, nothing goes here
             # and the loop below evicts what it can per slot, as reserve() does.
-            self._evict_for(self._lru.victims(short, _pinned), length, count, out)
+            self._evict_for(self._lru.victims(short, _pins_of), length, count, out)
         for _ in range(count - len(out)):
             slot = alloc.alloc(length)
             out.append(slot if slot is not None else self.reserve(length))  # fragmented or full
@@ -133,20 +161,41 @@ class CpuTier:
 
     def _evict_for(self, victims: list[CpuEntry], length: int, count: int, out: list[SlotRef | None]) -> None:
         """Evict unpinned victims, appending to out (up to count) the slots of length they free."""
+        if not victims:
+            return
         self._lru.remove_many(victims)
-        index, by_offset, alloc = self._index, self._by_offset, self._alloc
+        slots = [e.slot for e in victims]  # comprehensions: 3.11 reads slot attributes fastest inline
+        self._unindex([e.key for e in victims], slots)
         for entry in victims:
-            key, slot = entry.key, entry.slot
-            del index[key.namespace][key.prefix_hash]
-            del by_offset[slot.offset]
             entry.indexed = False
-            if slot.length == length and len(out) < count:
-                out.append(slot)  # handed on as it is, without a round trip through the allocator
-            else:
-                alloc.free(slot)
+        room = count - len(out)
+        if list(map(_length_of, slots)).count(length) == len(slots):  # the usual: one chunk size
+            out.extend(slots[:room])  # handed on as they are, without a round trip through the allocator
+            spare = slots[room:]
+        else:
+            spare = []
+            for slot in slots:
+                if slot.length == length and len(out) < count:
+                    out.append(slot)
+                else:
+                    spare.append(slot)
+        for slot in spare:
+            self._alloc.free(slot)
         self._count -= len(victims)
-        self._bytes -= sum(e.slot.length for e in victims)
+        self._bytes -= sum(map(_length_of, slots))
         self._stats.evictions += len(victims)
+
+    def _unindex(self, keys: list[ChunkKey], slots: list[SlotRef]) -> None:
+        """Take evicted chunks out of both indexes (every key is indexed, with its slot)."""
+        by_offset = self._by_offset
+        deque(map(by_offset.__delitem__, map(_offset_of, slots)), maxlen=0)
+        namespaces = set(map(_namespace_of, keys))
+        if len(namespaces) == 1:  # the usual: one namespace, one index to delete from
+            chunks = self._index[namespaces.pop()]
+            deque(map(chunks.__delitem__, map(_hash_of, keys)), maxlen=0)
+            return
+        for key in keys:
+            del self._index[key.namespace][key.prefix_hash]
 
     def free(self, slot: SlotRef) -> None:
         """Give back a reserved, never committed slot."""
@@ -159,9 +208,50 @@ class CpuTier:
         return self.commit_many([key], [slot], persisted=persisted)[0]
 
     def commit_many(
-        self, keys: Sequence[ChunkKey], slots: Sequence[SlotRef], *, persisted: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        slots: Sequence[SlotRef],
+        *,
+        persisted: bool = False,
+        checked: bool = False,
     ) -> list[CpuEntry]:
-        """commit() each key with its slot, in order; returns each key's entry."""
+        """commit() each key with its slot, in order; returns each key's entry.
+
+        checked: the caller has made sure every slot is allocated and not committed (the store's
+        reservations are), so it is not checked again chunk by chunk.
+        """
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
+        fresh = self._commit_fresh(keys, slots, persisted) if checked else None
+        return fresh if fresh is not None else self._commit_each(keys, slots, persisted)
+
+    def _commit_fresh(
+        self, keys: Sequence[ChunkKey], slots: Sequence[SlotRef], persisted: bool
+    ) -> list[CpuEntry] | None:
+        """commit_many() of checked slots in C-level passes, when the keys are of one namespace,
+        each new and once, and the slots of one length (a save); None, having done nothing, else."""
+        if not keys:
+            return []
+        namespace, length = keys[0][0], slots[0][1]
+        hashes = list(map(_hash_of, keys))
+        chunks = self._index.get(namespace)
+        if (
+            list(map(_namespace_of, keys)).count(namespace) != len(keys)
+            or list(map(_length_of, slots)).count(length) != len(slots)
+            or len(set(hashes)) != len(hashes)
+            or (chunks is not None and not chunks.keys().isdisjoint(hashes))
+        ):
+            return None
+        fresh = list(map(CpuEntry, keys, slots, repeat(0), repeat(persisted)))
+        self._index.setdefault(namespace, {}).update(zip(hashes, fresh, strict=True))
+        self._by_offset.update(zip(map(_offset_of, slots), fresh, strict=True))
+        self._publish(fresh[:])  # _publish empties the list it is given
+        return fresh
+
+    def _commit_each(
+        self, keys: Sequence[ChunkKey], slots: Sequence[SlotRef], persisted: bool
+    ) -> list[CpuEntry]:
+        """commit_many(), chunk by chunk: checks every slot, and handles keys held already."""
         alloc, by_offset = self._alloc, self._by_offset
         out: list[CpuEntry] = []
         fresh: list[CpuEntry] = []  # new entries of one length, put in the LRU order together
@@ -279,7 +369,3 @@ class CpuTier:
     def pinned_chunks(self) -> int:
         """Slots held by at least one pin (indexed or not)."""
         return sum(1 for e in self._by_offset.values() if e.pins > 0)
-
-
-def _pinned(entry: CpuEntry) -> bool:
-    return entry.pins > 0

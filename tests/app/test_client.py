@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import InvalidStateError
 from pathlib import Path
 
 import pytest
 
 from app import protocol as p
+from app.channel import Call
 from app.client import (
     CallTimeout,
     ClientClosed,
@@ -21,6 +25,7 @@ from app.client import (
     ServiceUnavailable,
     StaleInstance,
 )
+from app.client_types import CONVERT
 from storage.base import LookupResult, SlotRef, Tier
 from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -291,3 +296,80 @@ def test_a_call_waited_on_from_several_threads_completes_for_each(tmp_path: Path
         for t in threads:
             t.join(30)
         assert results == [0] * 50
+
+
+def _call() -> Call:
+    return Call(None, 1, b"", CONVERT[p.Health])
+
+
+def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
+    # A Call makes its condition and lists on first use: every Future use must still work.
+    done = _call()
+    done.set_result(7)
+    seen: list[object] = []
+    done.add_done_callback(lambda f: seen.append(f.result()))  # after completion: called at once
+    assert seen == [7] and done.done() and done.result(0) == 7 and done.exception(0) is None
+    with pytest.raises(InvalidStateError):
+        done.set_result(8)
+
+    waited = _call()
+    waited.add_done_callback(lambda f: seen.append(f.exception()))  # before: called on completion
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waited.result(10)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert wait_until(lambda: waited._cond is not None, 5)  # the waiter made it
+    error = RuntimeError("no")
+    timer = threading.Timer(0.05, lambda: waited.set_exception(error))
+    timer.start()
+    finished, pending = futures.wait([waited], timeout=10)
+    waiter.join(10)
+    timer.join(10)
+    assert finished == {waited} and not pending and seen == [7, error] and raised == [error]
+
+    cancelled = _call()
+    assert cancelled.cancel() and cancelled.cancelled() and cancelled.done()
+    with pytest.raises(InvalidStateError):
+        cancelled.set_result(1)
+    with pytest.raises(futures.CancelledError):
+        cancelled.result(0)
+
+
+def test_a_forked_child_cannot_use_the_parents_client(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        assert client.health().result(5).serving
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's connection is not its own
+            code = 1
+            try:
+                future = client.health()
+                code = 0 if future.done() and isinstance(future.exception(), ClientClosed) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert client.health().result(5).serving  # the parent's client goes on
+
+
+def test_the_sweep_leaves_alone_a_call_whose_reply_was_just_read(tmp_path: Path) -> None:
+    # A caller thread pops its reply without the client's lock, possibly while the sweep runs.
+    class Racing(dict[int, Call]):
+        def pop(self, key: int, default: Call | None = None) -> Call | None:  # type: ignore[override]
+            if key == 1:  # the reader took it between the sweep's look and its removal
+                super().pop(key)
+                return default
+            return super().pop(key, default)
+
+    with ServiceClient(f"unix://{tmp_path}/none.sock", backoff=ConstantBackoff(5.0)) as client:
+        answered = Call(client, 1, b"", CONVERT[p.Health], deadline=0.0)
+        late = Call(client, 2, b"", CONVERT[p.Health], deadline=0.0)
+        with client._lock:
+            client._pending = Racing({1: answered, 2: late})
+            assert client._take_expired(time.monotonic()) == [late]
+            assert not client._pending

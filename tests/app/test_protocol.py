@@ -36,6 +36,7 @@ REPLIES = [
         id=2, version=1, instance_id="i", arena_path="/a", arena_size=4, namespace="n", chunk_bytes=2048
     ),
     p.LookupReply(id=3, num_hit=2, tiers=[Tier.CPU, Tier.DISK], slots=[SLOTS[0], None], instance_id="i"),
+    p.LookupReply(id=3, num_hit=2, tiers=Tier.CPU, slots=SLOTS, instance_id="i"),
     p.StageReply(id=4, slots=[SLOTS[0], None], tiers=[Tier.CPU, Tier.REDIS], failed=[1], instance_id="i"),
     p.ReserveReply(id=5, slots=[SLOTS[1], None], instance_id="i"),
     p.OkReply(id=6),
@@ -58,7 +59,18 @@ def test_every_reply_round_trips(msg: p.Reply) -> None:
     (decoded,) = p.reply_decoder().feed(p.FrameEncoder().encode(msg))
     assert decoded == msg
     if isinstance(decoded, p.LookupReply):  # typed on the way in: SlotRefs and Tier members
-        assert decoded.slots[0] == SlotRef(0, 2048) and decoded.tiers[1] is Tier.DISK
+        assert decoded.slots[0] == SlotRef(0, 2048)
+        assert decoded.tiers is Tier.CPU or decoded.tiers[1] is Tier.DISK  # type: ignore[index]
+
+
+def test_a_lookup_reply_names_one_tier_for_hits_all_in_it() -> None:
+    assert p.one_tier([Tier.CPU] * 3) is Tier.CPU and p.one_tier([]) == []
+    assert p.one_tier([Tier.CPU, Tier.DISK]) == [Tier.CPU, Tier.DISK]
+    one = p.FrameEncoder().encode(p.LookupReply(id=1, num_hit=64, tiers=Tier.DISK, slots=[], instance_id="i"))
+    many = p.FrameEncoder().encode(
+        p.LookupReply(id=1, num_hit=64, tiers=[Tier.DISK] * 64, slots=[], instance_id="i")
+    )
+    assert len(many) - len(one) == 64 + 2  # one int instead of an array of 64
 
 
 def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:

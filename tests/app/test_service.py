@@ -174,6 +174,23 @@ def test_commit_checks_instance_and_reservation(tmp_path: Path) -> None:
         conn.close()
 
 
+def test_a_commit_from_another_connection_takes_the_slots_over(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        first, second = RawConn(svc.url), RawConn(svc.url)
+        ns = first.hello(spec=SPEC).namespace
+        second.hello(spec=SPEC)
+        keys = hashes(4)
+        mine = first.call(p.Reserve(id=2, namespace=ns, hashes=keys[:2])).slots
+        theirs = second.call(p.Reserve(id=2, namespace=ns, hashes=keys[2:])).slots
+        assert second.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=mine + theirs)) == p.OkReply(id=3)
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+        first.close()  # it owns nothing any more: its slots stay committed
+        second.close()
+        assert svc.wait_for(lambda: svc.service.connection_count == 0)
+        stats = svc.call(lambda: svc.service.stats())
+        assert stats["slots_in_use"] == 4 and stats["tiers"]["cpu"]["chunks"] == 4
+
+
 def test_many_concurrent_clients(tmp_path: Path) -> None:
     errors: list[BaseException] = []
     with thread_service(tmp_path, cpu_size="16MiB") as svc:

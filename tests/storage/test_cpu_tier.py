@@ -163,3 +163,34 @@ def test_commit_many_keeps_one_by_one_lru_order() -> None:
     assert key(1) not in tier and all(key(i) in tier for i in (0, 2, 3))
     assert tier.reserve_many(CHUNK, 1)[0] is not None  # then key(2): 0 was touched after it
     assert key(2) not in tier and key(0) in tier
+
+
+def test_prefix_stops_at_the_first_missing_chunk() -> None:
+    tier = make()
+    one, two = put(tier, 1), put(tier, 2)
+    h = [key(i).prefix_hash for i in range(4)]
+    assert [e.slot for e in tier.prefix("ns", [h[1], h[2]])] == [one, two]
+    assert [e.slot for e in tier.prefix("ns", [h[1], h[3], h[2]])] == [one]  # a hole ends it
+    assert tier.prefix("ns", [h[3], h[1]]) == [] and tier.prefix("other", [h[1]]) == []
+    assert [e.slot for e in tier.prefix("ns", [bytearray(h[1])])] == [one]  # unhashable: as bytes
+
+
+def test_checked_commit_many_matches_the_one_by_one_path() -> None:
+    checked, plain = make(4), make(4)
+    for tier in (checked, plain):
+        put(tier, 0)
+        slots = [tier.reserve(CHUNK) for _ in range(2)]
+        entries = tier.commit_many([key(1), key(2)], slots, checked=tier is checked)  # type: ignore[arg-type]
+        assert [e.key for e in entries] == [key(1), key(2)] and [e.slot for e in entries] == slots
+        assert tier.get(key(2)) == slots[1] and tier.stats().stores == 3
+        again = tier.reserve(CHUNK)
+        assert again is not None
+        held = tier.commit_many([key(0)], [again], checked=tier is checked)  # held already
+        assert held[0].slot != again and tier.allocator.slots_in_use == 3  # its new slot freed
+    assert checked.stats() == plain.stats()
+    # Same LRU order: 1 and 2 go first, then 0 (touched by the second commit).
+    for tier in (checked, plain):
+        assert None not in tier.reserve_many(CHUNK, 2)  # the free slot, and key(1)'s
+        assert key(1) not in tier and key(2) in tier and key(0) in tier
+        assert tier.reserve_many(CHUNK, 1)[0] is not None
+        assert key(2) not in tier and key(0) in tier

@@ -70,3 +70,22 @@ def test_batch_operations_match_one_by_one() -> None:
         lru.remove_many(["zz"])
     with pytest.raises(ValueError):
         lru.add_new(["x"], -1)
+
+
+def test_victims_walk_past_pinned_keys_as_the_scan_does() -> None:
+    # Keys of one size take the batched path: it must pick, and reorder, what the scan would.
+    sizes = [(k, 10) for k in "abcdefgh"]
+    pinned = {"a", "c", "d", "p"}
+    batched = _policy(*sizes)
+    assert batched.victims(25, pinned.__contains__) == ["b", "e", "f"]
+    # Pinned keys walked past move to the end; victims stay until the caller removes them.
+    assert list(batched.iter_lru()) == ["b", "e", "f", "g", "h", "a", "c", "d"]
+    scanned = _policy(("p", 11), *sizes)  # a first key of another size: the one-by-one scan
+    assert scanned.victims(25, pinned.__contains__) == ["b", "e", "f"]
+    assert [k for k in scanned.iter_lru() if k != "p"] == list(batched.iter_lru())
+
+
+def test_victims_that_cannot_be_met_leave_the_order_to_the_scan() -> None:
+    lru = _policy(("a", 10), ("b", 10), ("c", 10))
+    assert lru.victims(30, {"b"}.__contains__) == []
+    assert list(lru.iter_lru()) == ["a", "c", "b"]  # the scan moved the pinned key it walked past

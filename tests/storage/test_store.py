@@ -252,6 +252,39 @@ async def test_repeated_lookup_replaces_the_lease(make) -> None:
     await settled(env)
 
 
+async def test_repeating_a_lookup_keeps_one_pin_per_chunk(make) -> None:
+    env = await make()
+    await env.save([0, 1])
+    await env.store.flush()
+    for _ in range(3):  # the same chunks again: the new lease takes the old one's pins over
+        res = env.store.lookup_now(env.ns, [H[0], H[1]], "r")
+        assert res is not None and res.num_hit == 2
+        assert env.pins(0) == 1 and env.pins(1) == 1
+    await env.store.lookup(env.ns, [H[0], H[1]], "r")
+    assert env.pins(0) == 1 and env.pins(1) == 1 and env.store.stats().leases_active == 1
+    env.store.lookup_now(env.ns, [H[0]], "r")  # fewer chunks: the dropped one is unpinned
+    assert env.pins(0) == 1 and env.pins(1) == 0
+    await env.store.release("r")
+    await settled(env)
+
+
+async def test_a_chunk_is_recent_when_its_lease_lets_go(make) -> None:
+    env = await make(chunks=4)
+    await env.save([0, 1, 2, 3])
+    await env.store.flush()
+    env.store.lookup_now(env.ns, [H[0]], "a")
+    env.store.lookup_now(env.ns, [H[1]], "b")
+    await env.store.release("b")
+    await env.store.release("a")  # in use until now: 0 is the most recently used, then 1
+    slots = await env.store.reserve(env.ns, [H[4], H[5]])
+    assert None not in slots and env.key(2) not in env.store.cpu and env.key(3) not in env.store.cpu
+    assert env.key(0) in env.store.cpu and env.key(1) in env.store.cpu
+    last = await env.store.reserve(env.ns, [H[6]])
+    assert last[0] is not None
+    assert env.key(1) not in env.store.cpu and env.key(0) in env.store.cpu
+    await env.store.abort([s for s in slots + last if s is not None])
+
+
 async def test_lease_expiry_unpins_everything(make) -> None:
     env = await make()
     await env.save([0])
