@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import InvalidStateError
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -258,21 +259,27 @@ def test_replies_nobody_waits_for_still_complete_their_futures(tmp_path: Path) -
         assert called.wait(10)
 
 
+def _wait_in_thread(future: Any, timeout: float) -> tuple[threading.Thread, list[BaseException]]:
+    """A started thread blocked in future.result(timeout), and the list its exception lands in."""
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            future.result(timeout)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    return waiter, outcome
+
+
 def test_close_wakes_a_caller_blocked_reading(tmp_path: Path) -> None:
     with silent_service(tmp_path) as path:
         client = ServiceClient(f"unix://{path}", timeout=60)
         assert client.wait_connected(5)
         future = client.stats()
-        outcome: list[BaseException] = []
-
-        def wait() -> None:
-            try:
-                future.result(30)
-            except BaseException as exc:
-                outcome.append(exc)
-
-        waiter = threading.Thread(target=wait)
-        waiter.start()
+        waiter, outcome = _wait_in_thread(future, 30)
         assert wait_until(lambda: client._channel is not None and client._channel.reading.locked(), 5)
         client.close()
         waiter.join(30)
@@ -313,16 +320,7 @@ def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
 
     waited = _call()
     waited.add_done_callback(lambda f: seen.append(f.exception()))  # before: called on completion
-    raised: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            waited.result(10)
-        except RuntimeError as exc:
-            raised.append(exc)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
+    waiter, raised = _wait_in_thread(waited, 10)
     assert wait_until(lambda: waited._cond is not None, 5)  # the waiter made it
     error = RuntimeError("no")
     timer = threading.Timer(0.05, lambda: waited.set_exception(error))
