@@ -11,10 +11,14 @@ no temporary. With ``helper_cpus`` a ``CopyThread`` copies every second chunk of
 caller copies the others (numpy drops the GIL inside large copies), so ``save``/``load`` may return
 before their bytes are in place. On CUDA the arena is registered as pinned host memory and
 copies run on a side stream. Either way ``wait()`` is the fence.
+
+``save_batch`` is the worker's save path: with a copy thread, a whole step's save copies run there
+after the caller returns, and a callback learns their outcome (see ``save_batch`` for why).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +26,8 @@ import numpy as np
 import torch
 
 from connector.copy_thread import CopyThread
+
+log = logging.getLogger(__name__)
 
 
 class LayoutError(ValueError):
@@ -141,6 +147,51 @@ class BlockCopier:
                     dest[:, offset : offset + width].copy_(rows, non_blocking=self._cuda)
                     offset += width
 
+    @property
+    def defers_saves(self) -> bool:
+        """True when save_batch() copies on the copy thread, after it returns."""
+        return self._helper is not None
+
+    def save_batch(
+        self,
+        chunks: Sequence[tuple[torch.Tensor, Sequence[int]]],
+        done: Callable[[BaseException | None], object],
+    ) -> None:
+        """save() each (slot, block_ids), then call done(None), or done(error) if a copy failed.
+
+        With a copy thread the copies and done() run there, in order with every other copy, and
+        this returns at once: a step's saves then cost its forward nothing (a miss's first token
+        no longer waits for the copy of its prompt), and wait() still fences them. The caller
+        must keep the blocks unchanged until then (the worker fences before any block is reused).
+        Without one (one CPU, or CUDA, whose copies are asynchronous already) they run here,
+        fenced, and done() is called before this returns.
+        """
+        if self._helper is None:
+            error: BaseException | None = None
+            try:
+                for slot, block_ids in chunks:
+                    self.save(slot, block_ids)
+                self.wait()
+            except Exception as exc:
+                error = exc
+            _report(done, error)
+            return
+        work = [(slot.numpy(), block_runs([int(b) for b in ids])) for slot, ids in chunks]
+        self._helper.submit(self._save_all, work, done)
+
+    def _save_all(
+        self, work: list[tuple[np.ndarray, list[_Run]]], done: Callable[[BaseException | None], object]
+    ) -> None:
+        """save_batch's copies on the copy thread; never raises (done() gets the error), so a
+        failed save cannot fail an unrelated load at the next fence."""
+        error: BaseException | None = None
+        try:
+            for slot, runs in work:
+                self._save_cpu(0, self.num_layers, slot, runs, 0)
+        except Exception as exc:
+            error = exc
+        _report(done, error)
+
     def _on_cpu(self, copy: _LayerCopy, slot: np.ndarray, runs: list[_Run], first: int) -> None:
         """Run a CPU copy of every layer of one chunk: every second chunk between fences goes to the
         copy thread. Whole chunks, not halves: splitting one 4 MiB chunk costs more in hand-offs and
@@ -208,6 +259,13 @@ class BlockCopier:
         if self._stream is None:
             return _NullContext()
         return torch.cuda.stream(self._stream)
+
+
+def _report(done: Callable[[BaseException | None], object], error: BaseException | None) -> None:
+    try:
+        done(error)
+    except Exception:  # the callback's own failure must not pass for a copy's
+        log.exception("kvtier: save completion callback failed")
 
 
 class _NullContext:

@@ -3,9 +3,15 @@
 Who owns what: vLLM's worker thread owns this object and every copy. The service client's thread only
 completes futures; results are consumed here, on the worker thread, when vLLM polls. Per step:
 ``bind_connector_metadata`` fires the reserves for this step's saves; ``start_load_kv`` copies CPU-tier
-hits into their blocks before the forward and fires stages for lower-tier hits; ``wait_for_save`` copies
-finished blocks into reserved slots and commits them; ``get_finished`` completes async loads and
-reports held requests. Nothing waits on the service longer than a small bound.
+hits into their blocks before the forward and fires stages for lower-tier hits; ``wait_for_save`` hands
+the step's finished chunks to the copier, which copies them into reserved slots (on its copy thread,
+while vLLM goes on, when it has one) and then commits them; ``get_finished`` completes async loads and
+reports held requests once every save issued before they were held has ended. Nothing waits on the
+service longer than a small bound.
+
+Deferred saves read blocks after wait_for_save returns, so every path on which vLLM may reuse a
+block fences first: ``handle_preemptions`` (preempted requests), held finished requests (reported
+only after their saves end), a sync load (its own fence), a new arena and shutdown.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ log = logging.getLogger(__name__)
 SAVE_WAIT_S = 0.02
 SAVE_PROBE_S = 0.001
 HELLO_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class _SavedJob:
+    """One request's chunks of a step's save batch: what to commit once the copies have ended."""
+
+    hashes: list[bytes]
+    slots: list[SlotRef]
+    instance_id: str
 
 
 @dataclass(slots=True)
@@ -90,14 +105,19 @@ class WorkerSide:
         self.totals: dict[str, Any] = {}
         self.copier: BlockCopier | None = None
         self._arena = _Arena()
-        self._lock = threading.Lock()  # guards _late_errors, written from client callbacks
+        # Guards _late_errors, _saves_done and the save counters, written from client callbacks and
+        # from the copy thread when a deferred save ends.
+        self._lock = threading.Lock()
         self._late_errors = 0
+        self._saves_issued = 0  # save batches handed to the copier; they end in this order
+        self._saves_done = 0
         self._reserves: list[tuple[SaveJob, concurrent.futures.Future[ReserveReply]]] = []
         self._async: dict[str, _PendingLoad] = {}
         self._load_errors: set[int] = set()
         self._failed_this_step: set[str] = set()
         self._finished_recving: set[str] = set()
-        self._held: set[str] = set()
+        self._held_now: set[str] = set()  # held from this step's metadata, until its wait_for_save
+        self._held: dict[str, int] = {}  # held request -> save batches that must end before it goes
         self._hello: concurrent.futures.Future[HelloReply] | None = None
         self._save_wait = SAVE_WAIT_S
         if client is not None:
@@ -125,7 +145,10 @@ class WorkerSide:
         hello = self._hello
         if hello is not None:
             try:
-                self._arena.adopt(hello.result(timeout=wait))
+                reply = hello.result(timeout=wait)
+                if reply.instance_id != self._arena.instance_id:
+                    self._fence()  # no copy may still use the mapping that adopt() replaces
+                self._arena.adopt(reply)
             except (ServiceError, concurrent.futures.TimeoutError, OSError) as exc:
                 log.warning(
                     "kvtier: service not reachable yet (%s); loads and saves are skipped", exc
@@ -150,7 +173,7 @@ class WorkerSide:
     def bind(self, meta: KVTierMetadata) -> None:
         """Start this step's reserves early, so their answers are in by wait_for_save."""
         self._failed_this_step = set()
-        self._held.update(meta.held)  # reported in get_finished whatever else happens
+        self._held_now.update(meta.held)  # reported in get_finished whatever else happens
         self._refresh_arena()
         if self.client is None or not self.ready:
             return
@@ -252,9 +275,12 @@ class WorkerSide:
         self._release(job.lease_id)
 
     def wait_for_save(self) -> None:
-        """Copy this step's finished chunks into their reserved slots and commit them."""
+        """Hand this step's finished chunks to the copier, to be copied into their reserved slots and
+        committed (after this returns when the copier defers saves)."""
         reserves, self._reserves = self._reserves, []
         deadline = time.monotonic() + self._save_wait
+        batch: list[_SavedJob] = []
+        chunks: list[tuple[Any, list[int]]] = []
         for job, future in reserves:
             try:
                 reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -267,13 +293,28 @@ class WorkerSide:
                 self.counters.save_errors += 1
                 continue
             self._save_wait = SAVE_WAIT_S
-            self._save(job, reply)
+            saved = self._plan_save(job, reply, chunks)
+            if saved.slots:
+                batch.append(saved)
+        if batch:
+            assert self.copier is not None
+            self._saves_issued += 1
+            started = time.monotonic()
+            self.copier.save_batch(chunks, lambda error: self._saved(batch, started, error))
+        # Requests held from this step's metadata go once everything issued up to now has ended;
+        # not in get_finished alone, which vLLM may call before wait_for_save (defer_finalize).
+        for req_id in self._held_now:
+            self._held[req_id] = self._saves_issued
+        self._held_now = set()
 
-    def _save(self, job: SaveJob, reply: ReserveReply) -> None:
+    def _plan_save(
+        self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]
+    ) -> _SavedJob:
+        """Add job's chunk copies to chunks; the chunks to commit once they are done."""
         assert self.client is not None and self.copier is not None
-        started = time.monotonic()
         skip = job.req_id in self._failed_this_step  # nothing computed on a failed load is stored
-        hashes, slots, unused = [], [], []
+        saved = _SavedJob([], [], reply.instance_id)
+        unused = []
         for h, ids, slot in zip(job.hashes, job.block_ids, reply.slots, strict=True):
             if slot is None:
                 self.counters.save_skipped_chunks += 1
@@ -283,24 +324,39 @@ class WorkerSide:
                 unused.append(slot)
                 continue
             try:
-                self.copier.save(self.copier.slot_view(buf[: self.copier.chunk_bytes]), ids)
+                view = self.copier.slot_view(buf[: self.copier.chunk_bytes])
             except Exception as exc:
                 log.warning("kvtier: save copy failed: %s", exc)
                 unused.append(slot)
                 continue
-            hashes.append(h)
-            slots.append(slot)
-        if not self._fence():  # which chunk broke is unknown: store none of them
-            unused += slots
-            hashes, slots = [], []
+            chunks.append((view, ids))
+            saved.hashes.append(h)
+            saved.slots.append(slot)
         if unused:
             self.client.abort(unused, reply.instance_id)
-        if slots:
-            commit = self.client.commit(self.cfg.namespace, hashes, slots, reply.instance_id)
-            commit.add_done_callback(self._count_late_error)
-            self.counters.saved_chunks += len(slots)
-            self.counters.saved_tokens += len(slots) * self.cfg.geometry.chunk_size
-        self.counters.save_seconds += time.monotonic() - started
+        return saved
+
+    def _saved(self, batch: list[_SavedJob], started: float, error: BaseException | None) -> None:
+        """A save batch's copies ended (copy thread, or the worker thread): commit or give back."""
+        assert self.client is not None
+        try:
+            for job in batch:
+                if error is not None:  # which chunk broke is unknown: store none of them
+                    self.client.abort(job.slots, job.instance_id)
+                    continue
+                commit = self.client.commit(self.cfg.namespace, job.hashes, job.slots, job.instance_id)
+                commit.add_done_callback(self._count_late_error)
+        finally:
+            chunks = 0 if error is not None else sum(len(job.slots) for job in batch)
+            with self._lock:
+                counters = self.counters
+                counters.saved_chunks += chunks
+                counters.saved_tokens += chunks * self.cfg.geometry.chunk_size
+                counters.save_errors += error is not None
+                counters.save_seconds += time.monotonic() - started
+                self._saves_done += 1
+        if error is not None:
+            log.warning("kvtier: save copy failed: %s", error)
 
     def _abort_late(self, future: concurrent.futures.Future[ReserveReply]) -> None:
         # A reserve answered after we gave up: hand its slots back so none leak.
@@ -328,9 +384,12 @@ class WorkerSide:
                 self._finish_async(pending)
                 self._finished_recving.add(req_id)
         recving, self._finished_recving = self._finished_recving, set()
+        sending: set[str] = set()
         if self._held:
-            self._fence()
-        sending, self._held = self._held, set()
+            done = self._saves_done  # one int read: no lock needed
+            sending = {req_id for req_id, after in self._held.items() if after <= done}
+            for req_id in sending:
+                del self._held[req_id]
         return sending, recving
 
     def take_load_errors(self) -> set[int]:
@@ -344,8 +403,8 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last call (reset on read)."""
-        data = self.counters.take()
         with self._lock:
+            data = self.counters.take()
             data["save_errors"] += self._late_errors
             self._late_errors = 0
         self.totals = merge_counts(self.totals, data)

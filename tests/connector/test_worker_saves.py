@@ -1,7 +1,9 @@
-"""Worker saves against a real arena: what it commits, and that a failed copy commits nothing."""
+"""Worker saves against a real arena: what it commits, that a failed copy commits nothing, and that
+saves copied after wait_for_save returns never outlive the blocks they read."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,26 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def _step(worker: WorkerSide, saves: list[SaveJob]) -> None:
     worker.bind(KVTierMetadata(saves=saves))
     worker.wait_for_save()
+    assert worker.copier is not None
+    worker.copier.wait()  # the fence: deferred saves have ended and been committed
+
+
+@pytest.fixture
+def gated(setup, monkeypatch):
+    """setup, with every save copy waiting for the returned event before it starts."""
+    worker, client, _, _ = setup
+    copier = worker.copier
+    assert copier is not None and copier.defers_saves
+    gate = threading.Event()
+    real = copier._save_cpu
+
+    def held_back(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
+        assert gate.wait(10), "the test never opened the gate"
+        real(lo, hi, slot, runs, first)
+
+    monkeypatch.setattr(copier, "_save_cpu", held_back)
+    yield worker, client, gate
+    gate.set()  # never leave the copy thread stuck for shutdown
 
 
 def test_saved_chunks_are_committed_with_their_blocks_bytes(setup) -> None:
@@ -99,11 +121,11 @@ def test_saved_chunks_are_committed_with_their_blocks_bytes(setup) -> None:
 def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(setup, monkeypatch) -> None:
     worker, client, _, _ = setup
     copier = worker.copier
-    assert copier is not None and copier.cpu_threads == 2  # the second chunk goes to the copy thread
+    assert copier is not None and copier.defers_saves  # the whole step's saves go to the copy thread
     real = copier._save_cpu
 
     def broken(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
-        if runs[0][1] == 4:  # the second chunk's copy fails on the copy thread
+        if runs[0][1] == 4:  # the second chunk's copy fails
             raise MemoryError("simulated")
         real(lo, hi, slot, runs, first)
 
@@ -113,3 +135,65 @@ def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(set
     assert len(client.aborted) == 2
     _step(worker, [SaveJob("r2", [b"d"], [[6, 7]])])  # the next step saves as usual
     assert [h for h, _ in client.commits] == [[b"d"]]
+
+
+def test_wait_for_save_returns_before_the_copy_and_commits_after_it(gated) -> None:
+    worker, client, gate = gated
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])]))
+    worker.wait_for_save()  # returns while the copy waits at the gate
+    assert client.commits == [] and worker.stats()["saved_chunks"] == 0
+    gate.set()
+    worker.copier.wait()
+    assert [h for h, _ in client.commits] == [[b"a"]]
+    assert worker.stats()["saved_chunks"] == 1
+
+
+def test_a_held_request_is_reported_only_after_its_saves_end(gated) -> None:
+    worker, _, gate = gated
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])], held=["r1"]))
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == (set(), set())  # its blocks may still be read
+    worker.bind(KVTierMetadata())
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == (set(), set())
+    gate.set()
+    worker.copier.wait()
+    assert worker.get_finished(set()) == ({"r1"}, set())
+    assert worker.get_finished(set()) == (set(), set())  # reported once
+
+
+def test_held_requests_wait_for_the_saves_of_their_own_step_even_when_asked_first(gated) -> None:
+    # vLLM may ask get_finished before wait_for_save (defer_finalize); the final saves of a held
+    # request are in the same step's metadata and are only issued by wait_for_save.
+    worker, _, gate = gated
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])], held=["r1"]))
+    assert worker.get_finished(set()) == (set(), set())
+    worker.wait_for_save()
+    gate.set()
+    worker.copier.wait()
+    assert worker.get_finished(set()) == ({"r1"}, set())
+
+
+def test_a_held_request_without_saves_in_flight_goes_at_once(setup) -> None:
+    worker, _, _, _ = setup
+    worker.bind(KVTierMetadata(held=["r1"]))
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == ({"r1"}, set())
+
+
+def test_preemption_fences_deferred_saves(gated) -> None:
+    worker, client, gate = gated
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])]))
+    worker.wait_for_save()
+    fenced = threading.Event()
+
+    def preempt() -> None:
+        worker.handle_preemptions(KVTierMetadata(preempted=["r1"]))
+        fenced.set()
+
+    thread = threading.Thread(target=preempt)
+    thread.start()
+    assert not fenced.wait(0.2)  # the preempted request's blocks are still being read
+    gate.set()
+    thread.join(10)
+    assert fenced.is_set() and [h for h, _ in client.commits] == [[b"a"]]
