@@ -188,6 +188,7 @@ class Channel:
         self.inbuf = bytearray(RECV_BYTES)
         self.inview = memoryview(self.inbuf)
         self.pending_out = bytearray()  # bytes the socket did not take yet
+        self.held = bytearray()  # frames that get no reply, waiting for the next write (see hold)
         self.writer_armed = False
         self.closed = False
         self.reading = threading.Lock()  # held by the one thread reading replies
@@ -196,10 +197,23 @@ class Channel:
         self._poller = select.poll()  # used by the holder of reading only
         self._poller.register(self.fd, select.POLLIN)
 
-    def write(self, frame: bytes, on_loop: bool) -> bool:
+    def hold(self, frame: bytes) -> None:
+        """Keep a frame that gets no reply for the next write, so that both go out in one send
+        and reach the service in one read (caller holds the lock; see flush_held)."""
+        self.held += frame
+
+    def flush_held(self, on_loop: bool) -> None:
+        """Send what hold() kept, if no write took it along meanwhile (caller holds the lock)."""
+        if self.held:
+            self.write(b"", on_loop)
+
+    def write(self, frame: bytes | bytearray, on_loop: bool) -> bool:
         """Send or buffer frame (caller holds the lock); False when the connection is broken."""
         if self.closed:
             return False
+        if self.held:  # frames kept by hold() go first, in the same send
+            self.held += frame
+            frame, self.held = self.held, bytearray()
         if self.pending_out:
             self.pending_out += frame
             return True

@@ -4,13 +4,16 @@ Who owns what: a ``ServiceClient`` owns one background thread running its own ev
 loop owns the connection, the reconnect schedule and the timeout sweep. Public methods may be
 called from any thread: each encodes its request and, while connected, writes it to the socket
 itself (non-blocking, under the client's lock, with any remainder flushed by the loop), then
-returns a ``concurrent.futures.Future``. Writing from the calling thread saves a wake-up of the loop
-thread per call, and reading is symmetric: a thread that blocks on a future (``result()`` or
-``exception()``, with no timeout or a positive one) reads the socket itself while no other thread
-does, so its reply wakes it directly, not the loop thread that would then wake it
-(app/channel.py). Replies for other calls that it reads on the way complete their futures in its
-thread. The loop thread reads whenever no caller blocks reading: at once for a caller that polls
-(``done()``, ``result(0)``), and within SWEEP_PERIOD_S of a reply that nobody waits for.
+returns a ``concurrent.futures.Future``. ``release_nowait`` returns nothing and gets no reply: its
+frame is held and goes out in the same send as the next call's (one system call here, one read in
+the service, for both), or with the loop's next sweep, within SWEEP_PERIOD_S, if no call comes.
+Writing from the calling thread saves a wake-up of the loop thread per call, and reading is
+symmetric: a thread that blocks on a future (``result()`` or ``exception()``, with no timeout or a
+positive one) reads the socket itself while no other thread does, so its reply wakes it directly,
+not the loop thread that would then wake it (app/channel.py). Replies for other calls that it
+reads on the way complete their futures in its thread. The loop thread reads whenever no caller
+blocks reading: at once for a caller that polls (``done()``, ``result(0)``), and within
+SWEEP_PERIOD_S of a reply that nobody waits for.
 While the service is unreachable every call fails immediately with ``ServiceUnavailable`` (a
 connector turns it into a miss); the loop keeps reconnecting with backoff, calls
 ``on_unavailable`` (embedded mode respawns the service there), and after a reconnect registers
@@ -43,6 +46,7 @@ from app.affinity import engine_cpus, run_on
 from app.channel import DONE, Call, Channel, fail, fail_calls, failed
 from app.client_types import (
     CONVERT,
+    NO_REPLY,
     AuthFailed,
     Backoff,
     CallTimeout,
@@ -202,8 +206,17 @@ class ServiceClient:
         return self._call(p.Abort(id=next(self._ids), slots=slots, instance_id=instance_id), timeout)
 
     def release(self, lease_id: str, timeout: float | None = None) -> Future[None]:
-        """End a lease (idempotent)."""
+        """End a lease (idempotent); the future says when the service has."""
         return self._call(p.Release(id=next(self._ids), lease_id=lease_id), timeout)
+
+    def release_nowait(self, lease_id: str) -> None:
+        """End a lease without an answer (what the connector uses: it never waits for one).
+
+        The service ends it in order with this client's calls around it, and sends no reply frame,
+        which spares a write there and a read here. Nothing can fail that the caller could act on:
+        a lease taken on a connection that is gone was released with it by the service.
+        """
+        self._send_only(p.Release(id=next(self._ids), lease_id=lease_id, reply=False))
 
     def delete(self, namespace: str, hashes: list[bytes], timeout: float | None = None) -> Future[int]:
         """Remove chunks from every tier; the future gives how many were found."""
@@ -301,6 +314,26 @@ class ServiceClient:
             fail(call, error)
         return call
 
+    def _send_only(self, msg: Any) -> None:
+        """Send a message that gets no reply: now, or once connected; dropped while down or closed."""
+        if self._closed or self._forks != _Forks.count or self._state is _DOWN:
+            return  # unlocked read, as in _call: the connection is gone and with it what msg names
+        frame = self._encoder().encode(msg)
+        on_loop = threading.get_ident() == self._loop_thread
+        with self._lock:
+            channel = self._channel
+            if self._state is _READY and channel is not None:
+                # Out with the next call's frame (one send here, one read in the service), or
+                # with the next sweep when none comes first.
+                channel.hold(frame)
+                if not self._sweeping:
+                    self._start_sweep(on_loop)
+            elif self._state is _CONNECTING:  # after the calls queued before it, as sent in order
+                call = Call(None, msg.id, frame, NO_REPLY, time.monotonic() + self.timeout)
+                self._queue.append(call)
+                if not self._sweeping:
+                    self._start_sweep(on_loop)
+
     def _dispatch(self, call: Call, on_loop: bool) -> ServiceError | None:
         """Send, queue or refuse a call (caller holds the lock); returns the error to fail it with."""
         state = self._state
@@ -353,6 +386,8 @@ class ServiceClient:
             for call in queued:
                 self._queue.remove(call)
             channel = self._channel
+            if channel is not None and channel.held:
+                channel.flush_held(on_loop=True)
             if channel is not None and not channel.watched and not channel.reading.locked():
                 channel.watch()  # replies nobody waits for, and a lost connection, get noticed
             idle = not self._pending and not self._queue and (channel is None or channel.watched)
@@ -581,7 +616,8 @@ class ServiceClient:
             self._state = _READY
             queued, self._queue = self._queue, deque()
             for call in queued:  # in the same critical section: no new call overtakes them
-                self._pending[call.id] = call
+                if call.expect is not NO_REPLY:
+                    self._pending[call.id] = call
                 channel.write(call.frame, on_loop=True)
         self._ready.set()
         if self._on_connect is not None:

@@ -169,6 +169,10 @@ CONVERT: dict[type, tuple[type, Callable[[Any], Any]]] = {
 }
 
 
+# What a message sent with no reply expects (a Release with reply=False): nothing ever answers it.
+NO_REPLY: tuple[type, Callable[[Any], Any]] = (type(None), _none)
+
+
 # ------------------------------------------------------------------------------------------ backoff
 class Backoff(Protocol):
     """Reconnect schedule: seconds to wait before reconnect attempt number ``attempt`` (0-based)."""

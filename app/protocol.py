@@ -18,7 +18,9 @@ import msgspec
 
 from storage.base import NamespaceSpec, SlotRef, Tier
 
-PROTOCOL_VERSION: Final = 2  # 2: LookupReply.tiers may be one Tier for all hits
+# 2: LookupReply.tiers may be one Tier for all hits. 3: Release.reply, so a release the caller never
+# waits for (every release of the connector) costs no reply frame, nor its write and read.
+PROTOCOL_VERSION: Final = 3
 HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
 # A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
@@ -117,9 +119,10 @@ class Abort(_Msg, tag="abort"):
 
 
 class Release(_Msg, tag="release"):
-    """End a lease."""
+    """End a lease; with reply False the service answers nothing, not even an error."""
 
     lease_id: Name
+    reply: bool = True
 
 
 class Delete(_Msg, tag="delete"):
@@ -193,7 +196,7 @@ class ReserveReply(_Msg, tag="reserve_ok"):
 
 
 class OkReply(_Msg, tag="ok"):
-    """Answer of Commit, Abort and Release."""
+    """Answer of Commit, Abort and Release (unless it asked for no reply)."""
 
 
 class CountReply(_Msg, tag="count"):

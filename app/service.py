@@ -283,7 +283,7 @@ class Service:
             except Exception as exc:
                 reply = self._failure(conn, name, msg.id, exc)
             if reply is not None:
-                self._send_reply(conn, name, msg.id, reply)
+                self._send_reply(conn, name, msg, reply)
                 return
         task = asyncio.get_running_loop().create_task(self._serve(conn, msg, name))
         conn.inflight.add(task)
@@ -331,7 +331,7 @@ class Service:
             reply = await self._handlers[kind](conn, msg)
         except Exception as exc:
             reply = self._failure(conn, name, msg.id, exc)
-        self._send_reply(conn, name, msg.id, reply)
+        self._send_reply(conn, name, msg, reply)
 
     def _failure(self, conn: Connection, name: str, req_id: int, exc: Exception) -> p.ErrorReply:
         """The ErrorReply for a call that raised exc (logged by how unexpected it is)."""
@@ -350,11 +350,13 @@ class Service:
         log.error("internal error in %s", name, exc_info=exc, extra={"peer": conn.peer})
         return self._error(name, req_id, p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    def _send_reply(self, conn: Connection, name: str, req_id: int, reply: p.Reply) -> None:
+    def _send_reply(self, conn: Connection, name: str, msg: p.Request, reply: p.Reply) -> None:
+        if type(msg) is p.Release and not msg.reply:
+            return  # the caller wants no answer (a failure was logged and counted all the same)
         try:
             frame = self._encoder.encode(reply)
         except p.ProtocolError as exc:  # a reply over the frame limit
-            frame = self._encoder.encode(self._error(name, req_id, p.ErrorCode.INTERNAL, str(exc)))
+            frame = self._encoder.encode(self._error(name, msg.id, p.ErrorCode.INTERNAL, str(exc)))
         conn.send(frame)
 
     def _error(self, call: str, req_id: int, code: str, message: str) -> p.ErrorReply:

@@ -168,14 +168,14 @@ def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
 
         def lookup() -> float:
             # As the connector does: every lookup takes a new lease, then the old one is released
-            # (without waiting for the answer); the service's path for a lookup that repeats its
+            # with no answer asked for (release_nowait); the service's path for a lookup that repeats its
             # lease would be cheaper and is never taken by a connector.
             nonlocal lease
             new = f"bench-{os.getpid()}-{next(seq)}"
             t0 = time.perf_counter()
             reply = client.lookup(ns, prompt, new).result(plan.timeout)
             took = time.perf_counter() - t0
-            client.release(lease)
+            client.release_nowait(lease)
             lease = new
             if reply.result.num_hit != CHUNKS:  # the lease keeps the prompt from eviction
                 raise RuntimeError(f"lookup found {reply.result.num_hit} of {CHUNKS} chunks")

@@ -154,7 +154,7 @@ class SchedulerSide:
 
     def _release(self, st: _Request) -> None:
         if st.lease_id and self.client is not None:
-            self.client.release(st.lease_id)
+            self.client.release_nowait(st.lease_id)
         st.lease_id = ""
 
     # -------------------------------------------------------------------------------- admission
@@ -234,7 +234,7 @@ class SchedulerSide:
         st.block_table = []
         load = self._loads.pop(req_id, None)
         if load is not None and self.client is not None:  # preempted before its load ran
-            self.client.release(load.lease_id)
+            self.client.release_nowait(load.lease_id)
         self.counters.preemptions += 1
 
     def _scan(
@@ -323,11 +323,11 @@ class SchedulerSide:
             return False, None
         self._release(st)
         if st.lookup is not None and self.client is not None:
-            self.client.release(st.lookup.lease_id)
+            self.client.release_nowait(st.lookup.lease_id)
         load = self._loads.pop(request.request_id, None)
         if load is not None:  # planned but never sent: nothing reads the blocks
             if self.client is not None:
-                self.client.release(load.lease_id)
+                self.client.release_nowait(load.lease_id)
             return False, None
         if st.async_load_pending:
             return True, None  # the worker reports it in finished_recving when the copy ends

@@ -28,6 +28,7 @@ from app.client import (
 )
 from app.client_types import CONVERT
 from storage.base import LookupResult, SlotRef, Tier
+from storage.keys import namespace_id
 from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
@@ -60,6 +61,58 @@ def test_full_api_against_a_service(tmp_path: Path) -> None:
         stats = client.stats().result(5)
         assert set(stats["tiers"]["cpu"]) >= {"chunks", "bytes", "hits", "stores", "evictions", "errors"}
         assert stats["leases_active"] == 0 and stats["slots_in_use"] == 0
+
+
+def _stored_and_leased(client: ServiceClient, lease_id: str) -> tuple[str, list[bytes]]:
+    """Register SPEC, store 4 chunks and lease them under lease_id; returns the namespace and keys."""
+    ns, keys = client.hello(SPEC).result(5).namespace, hashes(4)
+    got = client.reserve(ns, keys).result(5)
+    client.commit(ns, keys, got.slots, got.instance_id).result(5)
+    assert client.lookup(ns, keys, lease_id).result(5).result.num_hit == 4
+    return ns, keys
+
+
+def test_release_nowait_ends_the_lease_before_the_next_call(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns, keys = _stored_and_leased(client, "r1")
+        assert client.release_nowait("r1") is None
+        assert not client._pending  # nothing waits for an answer: none comes
+        # Sent ahead of (with) the next call on the connection, so that call sees it done.
+        assert client.stats().result(5)["leases_active"] == 0
+        assert client.lookup(ns, keys, "r2").result(5).result.num_hit == 4
+        client.release_nowait("r2")
+        client.release_nowait("r2")  # idempotent, as release() is
+        assert client.stats().result(5)["leases_active"] == 0
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+
+
+def test_release_nowait_goes_out_without_a_later_call(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        _stored_and_leased(client, "r1")
+        client.release_nowait("r1")
+        # No other call follows: the client's sweep sends it.
+        assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+
+
+def test_release_nowait_made_while_connecting_is_sent_once_connected(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        with ServiceClient(svc.url) as client:
+            _stored_and_leased(client, "r1")  # stored; the lease ends with this client
+        with ServiceClient(svc.url) as client:
+            # Right after construction, usually before the handshake: queued in order.
+            lookup = client.lookup(namespace_id(SPEC), hashes(4), "r2")
+            client.release_nowait("r2")
+            assert lookup.result(5).result.num_hit == 4
+            assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+            assert client.stats().result(5)["leases_active"] == 0
+
+
+def test_release_nowait_while_down_or_closed_does_nothing(tmp_path: Path) -> None:
+    with ServiceClient(f"unix://{tmp_path}/none.sock", backoff=ConstantBackoff(0.5)) as client:
+        with pytest.raises(ServiceUnavailable):
+            client.health().result(2)
+        client.release_nowait("l")  # the service released every lease of a lost connection
+    client.release_nowait("l")
 
 
 def test_fails_fast_while_the_service_is_unreachable(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ REQUESTS = [
     p.Commit(id=6, namespace="ns", hashes=H[:2], slots=SLOTS, instance_id="abc"),
     p.Abort(id=7, slots=SLOTS),
     p.Release(id=8, lease_id="req-1"),
+    p.Release(id=8, lease_id="req-1", reply=False),
     p.Delete(id=9, namespace="ns", hashes=H),
     p.Clear(id=10, tiers=[0, 2]),
     p.Stats(id=11),
@@ -83,6 +84,13 @@ def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:
     commit = p.Commit(id=4, namespace="ns", hashes=[b"h"], slots=[SlotRef(4096, 2048)])
     (request,) = p.request_decoder().feed(enc.encode(commit))
     assert request == commit and request.slots == [(4096, 2048)]  # the service looks tuples up
+
+
+def test_a_release_without_the_reply_field_wants_a_reply() -> None:
+    # The field came last (protocol version 3): a frame without it decodes as the old release did.
+    payload = msgspec.msgpack.encode(["release", 8, "req-1"])
+    (msg,) = p.request_decoder().feed(struct.pack(">I", len(payload)) + payload)
+    assert msg == p.Release(id=8, lease_id="req-1") and msg.reply is True
 
 
 def test_every_message_type_is_covered() -> None:

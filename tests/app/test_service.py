@@ -75,6 +75,41 @@ def test_a_call_behind_one_in_flight_waits_its_turn(tmp_path: Path) -> None:
         conn.close()
 
 
+def test_a_release_that_wants_no_reply_ends_the_lease_in_order_and_answers_nothing(
+    tmp_path: Path,
+) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        ns = conn.hello(spec=SPEC).namespace
+        keys = hashes(4)
+        got = conn.call(p.Reserve(id=2, namespace=ns, hashes=keys))
+        conn.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=got.slots))
+        assert conn.call(p.Lookup(id=4, namespace=ns, hashes=keys, lease_id="r1")).num_hit == 4
+        assert svc.call(lambda: svc.service.stats()["leases_active"]) == 1
+        # In one write, as the client sends a held release with its next call: the release is
+        # served first, and the only reply is the stats call's.
+        enc = p.FrameEncoder()
+        conn.sock.sendall(enc.encode(p.Release(id=5, lease_id="r1", reply=False)) + enc.encode(p.Stats(id=6)))
+        stats = conn.recv()
+        assert stats.id == 6 and stats.stats["leases_active"] == 0
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+        assert conn.call(p.Health(id=7)).id == 7  # nothing else came in between
+        conn.close()
+
+
+def test_a_release_that_wants_no_reply_answers_nothing_behind_a_call_in_flight(tmp_path: Path) -> None:
+    # Queued behind a hello that registers a namespace, the release runs as a Task: still no reply.
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        conn.hello()
+        conn.send(p.Hello(id=20, version=p.PROTOCOL_VERSION, spec=SPEC))
+        conn.send(p.Release(id=21, lease_id="gone", reply=False))
+        conn.send(p.Release(id=22, lease_id="gone"))
+        assert [conn.recv().id, conn.recv().id] == [20, 22]
+        assert conn.call(p.Health(id=23)).id == 23
+        conn.close()
+
+
 @pytest.mark.parametrize(
     "garbage",
     [

@@ -69,6 +69,9 @@ class FakeClient:
         fut.set_result(None)
         return fut
 
+    def release_nowait(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+
 
 class FakeRequest:
     """The fields of vllm.v1.request.Request the scheduler side reads."""

@@ -58,7 +58,7 @@ class _Client:
     def abort(self, slots: list[SlotRef], instance: str) -> None:
         self.aborted.extend(slots)
 
-    def release(self, lease_id: str) -> None:
+    def release_nowait(self, lease_id: str) -> None:
         pass
 
 

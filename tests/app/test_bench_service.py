@@ -1,0 +1,60 @@
+"""bench.service's clients call the service as the connector does: a new lease per lookup, and the
+previous one released with no answer asked for."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import app.client
+from bench import service as bench
+from tests.app import thread_service
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+
+
+class _Recorder(app.client.ServiceClient):
+    """A ServiceClient that records the leases it looks up and releases."""
+
+    calls: list[tuple[str, str]] = []
+
+    def lookup(self, namespace: str, hashes: list[bytes], lease_id: str, timeout: float | None = None) -> Any:
+        """Record, then look up."""
+        self.calls.append(("lookup", lease_id))
+        return super().lookup(namespace, hashes, lease_id, timeout)
+
+    def release(self, lease_id: str, timeout: float | None = None) -> Any:
+        """Record, then release."""
+        self.calls.append(("release", lease_id))
+        return super().release(lease_id, timeout)
+
+    def release_nowait(self, lease_id: str) -> None:
+        """Record, then release without an answer."""
+        self.calls.append(("release_nowait", lease_id))
+        super().release_nowait(lease_id)
+
+
+def test_each_measured_lookup_takes_a_new_lease_and_lets_the_last_go_unanswered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(app.client, "ServiceClient", _Recorder)
+    _Recorder.calls = []
+    out: queue.Queue[Any] = queue.Queue()
+    with thread_service(tmp_path, cpu_size="64MiB") as svc:
+        plan = bench.Plan(url=svc.url, rounds=1, ops=4, warmup=2, timeout=10.0)
+        bench._service_run(plan, threading.Barrier(1), out)
+        assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+    (rounds,) = out.get(timeout=1)
+    assert len(rounds["lookup"]) == 4
+    calls = _Recorder.calls
+    measured = [i for i, (kind, _) in enumerate(calls) if kind == "release_nowait"]
+    assert len(measured) == 2 + 4  # warmup and measured lookups
+    for i in measured:
+        kind, new = calls[i - 1]
+        assert kind == "lookup" and calls[i][1] != new  # the lease before the new one
+    leases = [lease for kind, lease in calls if kind == "lookup"]
+    assert len(set(leases[1:])) == len(leases) - 1  # after the first, every lookup takes a new lease
+    assert calls[-1][0] == "release"  # the last one, waited for before the client closes
