@@ -300,7 +300,10 @@ class WorkerSide:
             assert self.copier is not None
             self._saves_issued += 1
             started = time.monotonic()
-            self.copier.save_batch(chunks, lambda error: self._saved(batch, started, error))
+            try:
+                self.copier.save_batch(chunks, lambda error: self._saved(batch, started, error))
+            except Exception as exc:  # the copy thread refused it (closed): nothing was copied
+                self._saved(batch, started, exc)
         # Requests held from this step's metadata go once everything issued up to now has ended;
         # not in get_finished alone, which vLLM may call before wait_for_save (defer_finalize).
         for req_id in self._held_now:

@@ -197,3 +197,14 @@ def test_preemption_fences_deferred_saves(gated) -> None:
     gate.set()
     thread.join(10)
     assert fenced.is_set() and [h for h, _ in client.commits] == [[b"a"]]
+
+
+def test_a_save_the_copy_thread_refuses_gives_its_slots_back_without_raising(setup) -> None:
+    worker, client, _, _ = setup
+    assert worker.copier is not None and worker.copier._helper is not None
+    worker.copier._helper.close()  # as after shutdown: submit() raises CopyError
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])], held=["r1"]))
+    worker.wait_for_save()
+    assert client.commits == [] and len(client.aborted) == 1
+    assert worker.stats()["save_errors"] == 1
+    assert worker.get_finished(set()) == ({"r1"}, set())  # nothing reads its blocks
