@@ -326,13 +326,11 @@ class ServiceClient:
                 # Out with the next call's frame (one send here, one read in the service), or
                 # with the next sweep when none comes first.
                 channel.hold(frame)
-                if not self._sweeping:
-                    self._start_sweep(on_loop)
             elif self._state is _CONNECTING:  # after the calls queued before it, as sent in order
-                call = Call(None, msg.id, frame, NO_REPLY, time.monotonic() + self.timeout)
-                self._queue.append(call)
-                if not self._sweeping:
-                    self._start_sweep(on_loop)
+                self._queue.append(Call(None, msg.id, frame, NO_REPLY, time.monotonic() + self.timeout))
+            else:
+                return
+            self._start_sweep(on_loop)
 
     def _dispatch(self, call: Call, on_loop: bool) -> ServiceError | None:
         """Send, queue or refuse a call (caller holds the lock); returns the error to fail it with."""

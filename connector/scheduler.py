@@ -153,9 +153,12 @@ class SchedulerSide:
         return any(reply.result.tiers[s.chunk] != Tier.CPU for s in spans)
 
     def _release(self, st: _Request) -> None:
-        if st.lease_id and self.client is not None:
-            self.client.release_nowait(st.lease_id)
+        self._end_lease(st.lease_id)
         st.lease_id = ""
+
+    def _end_lease(self, lease_id: str) -> None:
+        if lease_id and self.client is not None:
+            self.client.release_nowait(lease_id)
 
     # -------------------------------------------------------------------------------- admission
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -233,8 +236,8 @@ class SchedulerSide:
         meta.preempted.append(req_id)
         st.block_table = []
         load = self._loads.pop(req_id, None)
-        if load is not None and self.client is not None:  # preempted before its load ran
-            self.client.release_nowait(load.lease_id)
+        if load is not None:  # preempted before its load ran
+            self._end_lease(load.lease_id)
         self.counters.preemptions += 1
 
     def _scan(
@@ -322,12 +325,11 @@ class SchedulerSide:
         if st is None:
             return False, None
         self._release(st)
-        if st.lookup is not None and self.client is not None:
-            self.client.release_nowait(st.lookup.lease_id)
+        if st.lookup is not None:
+            self._end_lease(st.lookup.lease_id)
         load = self._loads.pop(request.request_id, None)
         if load is not None:  # planned but never sent: nothing reads the blocks
-            if self.client is not None:
-                self.client.release_nowait(load.lease_id)
+            self._end_lease(load.lease_id)
             return False, None
         if st.async_load_pending:
             return True, None  # the worker reports it in finished_recving when the copy ends
