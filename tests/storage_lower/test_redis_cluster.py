@@ -32,7 +32,10 @@ def payload(i: int) -> memoryview:
 
 @pytest.fixture
 async def tier(redis_cluster: RedisClusterServers) -> RedisTier:
-    t = RedisTier(KVTierSettings(redis_url=redis_cluster.url, redis_ttl=100))
+    # A generous call timeout: these tests are about the cluster, not timeouts (test_redis_tier and
+    # the fault tests cover those), and a host stall over the 1 s default (seen in CI) would open
+    # the breaker and fail a put here.
+    t = RedisTier(KVTierSettings(redis_url=redis_cluster.url, redis_ttl=100, redis_timeout=10.0))
     await t.start()
     yield t  # type: ignore[misc]
     await t.close()
