@@ -167,13 +167,21 @@ class ServiceClient:
         return self._call(msg, timeout)
 
     def lookup(
-        self, namespace: str, hashes: list[bytes], lease_id: str, timeout: float | None = None
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        lease_id: str,
+        timeout: float | None = None,
+        *,
+        replaces: str = "",
     ) -> Future[LookupReply]:
-        """Count leading stored chunks and lease them under lease_id (replacing that lease)."""
-        return self._call(
-            p.Lookup(id=next(self._ids), namespace=namespace, hashes=hashes, lease_id=lease_id),
-            timeout,
+        """Count leading stored chunks and lease them under lease_id (replacing that lease); then
+        end the lease replaces, when set, as a release of it right after would (one call, not two,
+        and a lookup that finds the same chunks takes over their pins)."""
+        msg = p.Lookup(
+            id=next(self._ids), namespace=namespace, hashes=hashes, lease_id=lease_id, replaces=replaces
         )
+        return self._call(msg, timeout)
 
     def stage(self, lease_id: str, timeout: float | None = None) -> Future[StageReply]:
         """Bring every chunk of the lease into arena slots."""

@@ -10,12 +10,13 @@ its leases are released and its reserved slots aborted, so a vanished client lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import repeat
 from operator import itemgetter
 from typing import Any, cast
@@ -41,6 +42,19 @@ CLOSE_GRACE_S = 2.0  # a closed connection's unread replies may take this long b
 # C-level getters for map(): a 64-slot call costs no Python frame per slot.
 _first = itemgetter(0)  # a slot's offset; an ownership entry's SlotRef
 _second = itemgetter(1)  # an ownership entry's connection
+
+
+def _wire_slots(
+    slots: Sequence[SlotRef | None], every_slot: bool
+) -> tuple[list[int | None], list[int] | int]:
+    """A lookup's slots as LookupReply carries them: offsets (None for no slot) and lengths."""
+    if every_slot:  # every hit a CPU-tier slot, the usual answer: C-level passes only
+        return list(map(_first, slots)), p.one_value(list(map(_second, slots)))  # type: ignore[arg-type]
+    known = {s.length for s in slots if s is not None}
+    offsets = [None if s is None else s.offset for s in slots]
+    if len(known) <= 1:
+        return offsets, known.pop() if known else 0
+    return offsets, [0 if s is None else s.length for s in slots]
 
 
 class CallError(Exception):
@@ -384,25 +398,48 @@ class Service:
 
     async def _lookup(self, conn: Connection, msg: p.Lookup) -> p.Reply:
         start = time.perf_counter()
-        result = await self.store.lookup(msg.namespace, msg.hashes, msg.lease_id)
+        try:
+            result = await self.store.lookup(msg.namespace, msg.hashes, msg.lease_id, msg.replaces)
+        except Exception:
+            await self._end_replaced(msg)
+            raise
         return self._looked_up(conn, msg, result, start)
 
     def _lookup_now(self, conn: Connection, msg: p.Lookup) -> p.Reply | None:
         start = time.perf_counter()
-        result = self._immediate.lookup_now(msg.namespace, msg.hashes, msg.lease_id)
+        try:
+            result = self._immediate.lookup_now(msg.namespace, msg.hashes, msg.lease_id, msg.replaces)
+        except Exception:
+            if msg.replaces and msg.replaces != msg.lease_id:
+                with contextlib.suppress(Exception):  # see _end_replaced
+                    self._immediate.release_now(msg.replaces)
+                self._disown_lease(msg.replaces)
+            raise
         return None if result is None else self._looked_up(conn, msg, result, start)
+
+    async def _end_replaced(self, msg: p.Lookup) -> None:
+        """A lookup that failed still ends the lease it replaces: its caller has let go of it."""
+        if msg.replaces and msg.replaces != msg.lease_id:
+            with contextlib.suppress(Exception):  # the lookup's own error is the one to report
+                await self.store.release(msg.replaces)
+            self._disown_lease(msg.replaces)
 
     def _looked_up(self, conn: Connection, msg: p.Lookup, result: LookupResult, start: float) -> p.Reply:
         if result.num_hit:
             self._own_lease(conn, msg.lease_id)
         else:  # the store holds no lease for a miss (it dropped any earlier one)
             self._disown_lease(msg.lease_id)
+        if msg.replaces and msg.replaces != msg.lease_id:
+            self._disown_lease(msg.replaces)
         self.metrics.count_hits(result.tiers, self._chunk_tokens.get(msg.namespace, 0))
+        tiers = p.one_value(result.tiers)
+        offsets, lengths = _wire_slots(result.slots, every_slot=tiers is Tier.CPU)
         reply = p.LookupReply(
             id=msg.id,
             num_hit=result.num_hit,
-            tiers=p.one_tier(result.tiers),
-            slots=result.slots,
+            tiers=tiers,
+            offsets=offsets,
+            lengths=lengths,
             instance_id=self.instance_id,
         )
         self.metrics.observe("lookup", time.perf_counter() - start)

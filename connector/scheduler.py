@@ -40,6 +40,7 @@ class _Lookup:
     num_chunks: int
     lease_id: str
     started: float
+    replaces: str  # the lease the lookup ends (see _start_lookup)
 
 
 @dataclass(slots=True)
@@ -121,6 +122,9 @@ class SchedulerSide:
                 self.counters.lookups_deferred += 1
                 return None, False
             st.lookup = None
+            # The service ends the replaced lease even when the lookup fails; a lookup that never
+            # reached it did not, so end it here (ending a lease twice does nothing).
+            self._end_lease(lookup.replaces)
             self.counters.lookup_errors += 1
             log.debug("kvtier lookup failed, treating as a miss: %s", exc)
             st.answer = _Answer(None, num_computed_tokens, 0)
@@ -138,11 +142,11 @@ class SchedulerSide:
     def _start_lookup(self, st: _Request, hashes: list[bytes]) -> _Lookup:
         assert self.client is not None
         lease_id = f"{self.cfg.engine_id}:{st.request.request_id}:{next(self._lease_seq)}"
-        future = self.client.lookup(self.cfg.namespace, hashes, lease_id)
-        # A new lease replaces the old one; releasing after the lookup keeps the order on the wire.
-        self._release(st)
-        st.lease_id = lease_id
-        return _Lookup(future, len(hashes), lease_id, time.monotonic())
+        # A new lease id per lookup, so an answer is never confused with a later one; the lookup
+        # ends the request's previous lease itself, once the new one holds the chunks.
+        replaces, st.lease_id = st.lease_id, lease_id
+        future = self.client.lookup(self.cfg.namespace, hashes, lease_id, replaces=replaces)
+        return _Lookup(future, len(hashes), lease_id, time.monotonic(), replaces)
 
     def _too_old(self, lookup: _Lookup) -> bool:
         # An answer is only as good as its lease; never act on one that may have expired meanwhile.

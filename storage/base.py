@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -117,7 +118,7 @@ class LookupResult:
 
     num_hit: int
     tiers: list[Tier]
-    slots: list[SlotRef | None]
+    slots: Sequence[SlotRef | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +250,11 @@ class StoreAPI(Protocol):
     def arena_info(self) -> ArenaInfo:
         """The arena file that clients map."""
 
-    async def lookup(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult:
-        """Count leading stored chunks, say which tier holds each, and lease them under lease_id."""
+    async def lookup(
+        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
+    ) -> LookupResult:
+        """Count leading stored chunks, say which tier holds each, and lease them under lease_id;
+        then end the lease replaces (when set), as release(replaces) would."""
 
     async def stage(self, lease_id: str) -> StageResult:
         """Bring every chunk of the lease into an arena slot (promoting lower-tier hits)."""
@@ -289,7 +293,9 @@ class ImmediateStoreAPI(Protocol):
     tier must be asked; the caller then uses ``lookup``.
     """
 
-    def lookup_now(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult | None:
+    def lookup_now(
+        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
+    ) -> LookupResult | None:
         """lookup() in one step when the CPU tier alone decides it; None (nothing changed) otherwise."""
 
     def release_now(self, lease_id: str) -> None:

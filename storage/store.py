@@ -192,74 +192,95 @@ class TieredStore:
             self._unpin_lease(lease)
 
     # ------------------------------------------------------------------------------------ lookup
-    async def lookup(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult:
-        """Count leading stored chunks, say which tier holds each, and lease them under lease_id."""
+    async def lookup(
+        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
+    ) -> LookupResult:
+        """Count leading stored chunks, say which tier holds each, and lease them under lease_id;
+        then end the lease replaces (when set), as release(replaces) would."""
         chunk_bytes = self._chunk_bytes_of(namespace)
         self._expire()
         if not self._lower:
             return self._lease_cpu_prefix(
-                chunk_bytes, lease_id, self._cpu.prefix(namespace, hashes), len(hashes)
+                chunk_bytes, lease_id, self._cpu.prefix(namespace, hashes), len(hashes), replaces
             )
         entries = self._cpu.entries(namespace, hashes)
         if None not in entries:
-            return self._lease_cpu_prefix(chunk_bytes, lease_id, cast("list[CpuEntry]", entries), len(hashes))
-        return await self._lookup_lower(namespace, hashes, lease_id, entries)
+            hits = cast("list[CpuEntry]", entries)
+            return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
+        return await self._lookup_lower(namespace, hashes, lease_id, entries, replaces)
 
-    def lookup_now(self, namespace: str, hashes: list[bytes], lease_id: str) -> LookupResult | None:
+    def lookup_now(
+        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
+    ) -> LookupResult | None:
         """lookup() in one step when the CPU tier alone decides it; None (nothing changed) otherwise."""
         chunk_bytes = self._chunk_bytes_of(namespace)
         hits = self._cpu.prefix(namespace, hashes)
         if self._lower and len(hits) < len(hashes):
             return None  # a lower tier must be asked: only lookup() can wait for it
         self._expire()
-        return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes))
+        return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
 
     def _lease_cpu_prefix(
-        self, chunk_bytes: int, lease_id: str, hits: list[CpuEntry], asked: int
+        self, chunk_bytes: int, lease_id: str, hits: list[CpuEntry], asked: int, replaces: str
     ) -> LookupResult:
         """Lease hits, the CPU entries of the leading chunks of a lookup of asked chunks (no lower
-        tier can extend them); hits is a fresh list, which the lease keeps.
+        tier can extend them), ending the leases lease_id and replaces had; hits is a fresh list,
+        which the lease keeps.
 
         The same books as the general path, batched: a lookup of a long prompt is the service's
         hottest call, so nothing here does Python work per chunk that C can do instead.
         """
         num_hit = len(hits)
         self._cpu.count_lookup(num_hit, num_hit * chunk_bytes, min(num_hit + 1, asked) - num_hit)
+        olds = self._pop_leases(lease_id, replaces)
         if not num_hit:
-            old = self._leases.pop(lease_id)
-            if old is not None:
+            for old in olds:
                 self._unpin_lease(old)
             return LookupResult(0, [], [])
         if self._writeback is not None:
             for entry in hits:
                 self._persist(entry)  # 'on_reuse' trigger; retries a dropped write
-        self._lease_entries(lease_id, hits)
+        self._lease_entries(lease_id, hits, olds)
         # Comprehensions, not map(attrgetter): 3.11 reads a slot attribute faster inline.
         return LookupResult(num_hit, [_CPU] * num_hit, [e.slot for e in hits])
 
-    def _lease_entries(self, lease_id: str, hits: list[CpuEntry]) -> None:
-        """Lease these CPU chunks under lease_id, replacing its lease.
-
-        A lookup repeated while its request waits finds the same chunks its lease already pins:
-        the pins move over to the new lease instead of being taken and dropped once per chunk.
-        """
+    def _pop_leases(self, lease_id: str, replaces: str) -> list[Lease]:
+        """Take the leases a lookup ends out of the table: lease_id's own and the one it replaces."""
         leases = self._leases
-        old = leases.pop(lease_id)
+        olds = [old] if (old := leases.pop(lease_id)) is not None else []
+        if replaces and replaces != lease_id and (gone := leases.pop(replaces)) is not None:
+            olds.append(gone)
+        return olds
+
+    def _lease_entries(self, lease_id: str, hits: list[CpuEntry], olds: list[Lease]) -> None:
+        """Lease these CPU chunks under lease_id; then unpin the leases it ends (olds).
+
+        A lookup repeated while its request waits finds the same chunks that the lease it ends
+        already pins: the pins move over to the new lease instead of being taken and dropped once
+        per chunk (and its chunks' recency is renewed when the new lease ends, as it would be now).
+        """
         pinned: list[CpuEntry | None]
-        if old is not None and old.pinned == hits and not any(old.lower_pinned):
-            pinned, keys = old.pinned, old.keys
-            old.pinned, old.lower_pinned = [], []  # it holds nothing now: no one can unpin twice
-            old = None
+        donor = next((o for o in olds if o.pinned == hits and not any(o.lower_pinned)), None)
+        if donor is not None:
+            pinned, keys = donor.pinned, donor.keys
+            donor.pinned, donor.lower_pinned = [], []  # it holds nothing now: no one can unpin twice
         else:
-            self._cpu.pin_entries(hits)  # before the old lease lets go: shared chunks stay pinned
+            self._cpu.pin_entries(hits)  # before the old leases let go: shared chunks stay pinned
             pinned, keys = cast("list[CpuEntry | None]", hits), [e.key for e in hits]
         n = len(hits)
+        leases = self._leases
         leases.put(leases.new(lease_id, keys, [_CPU] * n, pinned, [False] * n))
-        if old is not None:
-            self._unpin_lease(old)
+        for old in olds:
+            if old is not donor:
+                self._unpin_lease(old)
 
     async def _lookup_lower(
-        self, namespace: str, hashes: list[bytes], lease_id: str, entries: list[CpuEntry | None]
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        lease_id: str,
+        entries: list[CpuEntry | None],
+        replaces: str,
     ) -> LookupResult:
         """lookup() when lower tiers may hold chunks the CPU tier lacks."""
         keys = _chunk_keys(namespace, hashes)
@@ -281,13 +302,10 @@ class TieredStore:
                 self._cpu.touch(key)
                 self._persist(self._cpu.entry(key))  # 'on_reuse' trigger; retries a dropped write
         lower_pinned = self._pin_lower(keys[:num_hit], hit_tiers)
-        old: Lease | None
+        olds = self._pop_leases(lease_id, replaces)
         if num_hit:
-            lease = self._leases.new(lease_id, keys[:num_hit], hit_tiers, hits, lower_pinned)
-            old = self._leases.put(lease)
-        else:
-            old = self._leases.pop(lease_id)
-        if old is not None:
+            self._leases.put(self._leases.new(lease_id, keys[:num_hit], hit_tiers, hits, lower_pinned))
+        for old in olds:
             self._unpin_lease(old)
         return LookupResult(num_hit, hit_tiers, [None if e is None else e.slot for e in hits])
 

@@ -1,5 +1,5 @@
-"""bench.service's clients call the service as the connector does: a new lease per lookup, and the
-previous one released with no answer asked for."""
+"""bench.service's clients call the service as the connector does: a new lease per lookup, which
+either ends the previous one in the same call or is followed by its release with no answer asked for."""
 
 from __future__ import annotations
 
@@ -19,12 +19,20 @@ from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_
 class _Recorder(app.client.ServiceClient):
     """A ServiceClient that records the leases it looks up and releases."""
 
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, ...]] = []
 
-    def lookup(self, namespace: str, hashes: list[bytes], lease_id: str, timeout: float | None = None) -> Any:
+    def lookup(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        lease_id: str,
+        timeout: float | None = None,
+        *,
+        replaces: str = "",
+    ) -> Any:
         """Record, then look up."""
-        self.calls.append(("lookup", lease_id))
-        return super().lookup(namespace, hashes, lease_id, timeout)
+        self.calls.append(("lookup", lease_id, replaces))
+        return super().lookup(namespace, hashes, lease_id, timeout, replaces=replaces)
 
     def release(self, lease_id: str, timeout: float | None = None) -> Any:
         """Record, then release."""
@@ -37,7 +45,7 @@ class _Recorder(app.client.ServiceClient):
         super().release_nowait(lease_id)
 
 
-def test_each_measured_lookup_takes_a_new_lease_and_lets_the_last_go_unanswered(
+def test_each_measured_lookup_takes_a_new_lease_and_ends_the_last_without_an_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(app.client, "ServiceClient", _Recorder)
@@ -48,13 +56,20 @@ def test_each_measured_lookup_takes_a_new_lease_and_lets_the_last_go_unanswered(
         bench._service_run(plan, threading.Barrier(1), out)
         assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
     (rounds,) = out.get(timeout=1)
-    assert len(rounds["lookup"]) == 4
+    assert len(rounds["lookup"]) == 4 and len(rounds["lookup_fresh"]) == 4
     calls = _Recorder.calls
-    measured = [i for i, (kind, _) in enumerate(calls) if kind == "release_nowait"]
-    assert len(measured) == 2 + 4  # warmup and measured lookups
-    for i in measured:
-        kind, new = calls[i - 1]
-        assert kind == "lookup" and calls[i][1] != new  # the lease before the new one
-    leases = [lease for kind, lease in calls if kind == "lookup"]
+    lookups = [c for c in calls if c[0] == "lookup"]
+    leases = [c[1] for c in lookups]
     assert len(set(leases[1:])) == len(leases) - 1  # after the first, every lookup takes a new lease
+    # Warmup and the lookup phase: each ends the lease before it in the same call.
+    replacing = [i for i, c in enumerate(calls) if c[0] == "lookup" and c[2]]
+    assert len(replacing) == 2 + 4
+    for i in replacing:
+        assert calls[i][2] == [c for c in calls[:i] if c[0] == "lookup"][-1][1]
+    # The fresh phase: a lookup of its own, then the lease before it released unanswered.
+    fresh = [i for i, c in enumerate(calls) if c[0] == "release_nowait"]
+    assert len(fresh) == 4
+    for i in fresh:
+        kind, new, replaces = calls[i - 1]
+        assert kind == "lookup" and not replaces and calls[i][1] != new
     assert calls[-1][0] == "release"  # the last one, waited for before the client closes

@@ -26,7 +26,7 @@ from app.client import (
     ServiceUnavailable,
     StaleInstance,
 )
-from app.client_types import CONVERT
+from app.client_types import CONVERT, SlotList
 from storage.base import LookupResult, SlotRef, Tier
 from storage.keys import namespace_id
 from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
@@ -47,10 +47,14 @@ def test_full_api_against_a_service(tmp_path: Path) -> None:
         got = client.reserve(ns, keys).result(5)
         assert all(isinstance(s, SlotRef) for s in got.slots)
         assert client.commit(ns, keys, got.slots, got.instance_id).result(5) is None
-        hit = client.lookup(ns, keys, "r1").result(5).result
+        hit = client.lookup(ns, keys, "r0").result(5).result
         assert hit.num_hit == 4 and hit.tiers == [Tier.CPU] * 4 and hit.slots == got.slots
+        assert all(type(s) is SlotRef for s in hit.slots) and hit.slots[1] == got.slots[1]
+        hit = client.lookup(ns, keys[:3], "r1", replaces="r0").result(5).result  # r0 ends with it
+        assert hit.num_hit == 3 and list(hit.slots) == got.slots[:3]
+        assert client.stats().result(5)["leases_active"] == 1
         staged = client.stage("r1").result(5).result
-        assert staged.slots == got.slots and staged.failed == []
+        assert staged.slots == got.slots[:3] and staged.failed == []
         assert client.release("r1").result(5) is None
         spare = client.reserve(ns, hashes(2, "spare")).result(5)
         assert client.abort(spare.slots, spare.instance_id).result(5) is None
@@ -61,6 +65,20 @@ def test_full_api_against_a_service(tmp_path: Path) -> None:
         stats = client.stats().result(5)
         assert set(stats["tiers"]["cpu"]) >= {"chunks", "bytes", "hits", "stores", "evictions", "errors"}
         assert stats["leases_active"] == 0 and stats["slots_in_use"] == 0
+
+
+def test_lookup_slots_are_made_from_offsets_and_lengths() -> None:
+    one = SlotList([0, None, 8192], 4096)
+    assert len(one) == 3 and one[0] == SlotRef(0, 4096) and one[1] is None and one[-1] == SlotRef(8192, 4096)
+    assert type(one[2]) is SlotRef and list(one) == [SlotRef(0, 4096), None, SlotRef(8192, 4096)]
+    assert one == [SlotRef(0, 4096), None, SlotRef(8192, 4096)] and one[1:] == [None, SlotRef(8192, 4096)]
+    assert one != [SlotRef(0, 4096)] and SlotList([], 0) == []
+    each = SlotList([0, 4096], [4096, 2048])
+    assert list(each) == [SlotRef(0, 4096), SlotRef(4096, 2048)] and each[1] == SlotRef(4096, 2048)
+    with pytest.raises(IndexError):
+        one[3]
+    with pytest.raises(ValueError, match="2 slot offsets but 1 lengths"):
+        SlotList([0, 1], [4096])
 
 
 def _stored_and_leased(client: ServiceClient, lease_id: str) -> tuple[str, list[bytes]]:

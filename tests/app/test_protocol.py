@@ -20,6 +20,7 @@ REQUESTS = [
     p.Hello(id=1, version=p.PROTOCOL_VERSION),
     p.Hello(id=2, version=p.PROTOCOL_VERSION, token="s3cret", spec=SPEC),
     p.Lookup(id=3, namespace="ns", hashes=H, lease_id="req-1"),
+    p.Lookup(id=3, namespace="ns", hashes=H, lease_id="req-2", replaces="req-1"),
     p.Stage(id=4, lease_id="req-1"),
     p.Reserve(id=5, namespace="ns", hashes=H),
     p.Commit(id=6, namespace="ns", hashes=H[:2], slots=SLOTS, instance_id="abc"),
@@ -36,8 +37,10 @@ REPLIES = [
     p.HelloReply(
         id=2, version=1, instance_id="i", arena_path="/a", arena_size=4, namespace="n", chunk_bytes=2048
     ),
-    p.LookupReply(id=3, num_hit=2, tiers=[Tier.CPU, Tier.DISK], slots=[SLOTS[0], None], instance_id="i"),
-    p.LookupReply(id=3, num_hit=2, tiers=Tier.CPU, slots=SLOTS, instance_id="i"),
+    p.LookupReply(
+        id=3, num_hit=2, tiers=[Tier.CPU, Tier.DISK], offsets=[0, None], lengths=2048, instance_id="i"
+    ),
+    p.LookupReply(id=3, num_hit=2, tiers=Tier.CPU, offsets=[0, 4096], lengths=[2048, 1024], instance_id="i"),
     p.StageReply(id=4, slots=[SLOTS[0], None], tiers=[Tier.CPU, Tier.REDIS], failed=[1], instance_id="i"),
     p.ReserveReply(id=5, slots=[SLOTS[1], None], instance_id="i"),
     p.OkReply(id=6),
@@ -59,19 +62,32 @@ def test_every_request_round_trips(msg: p.Request) -> None:
 def test_every_reply_round_trips(msg: p.Reply) -> None:
     (decoded,) = p.reply_decoder().feed(p.FrameEncoder().encode(msg))
     assert decoded == msg
-    if isinstance(decoded, p.LookupReply):  # typed on the way in: SlotRefs and Tier members
-        assert decoded.slots[0] == SlotRef(0, 2048)
+    if isinstance(decoded, p.LookupReply):  # typed on the way in: Tier members
         assert decoded.tiers is Tier.CPU or decoded.tiers[1] is Tier.DISK  # type: ignore[index]
 
 
 def test_a_lookup_reply_names_one_tier_for_hits_all_in_it() -> None:
-    assert p.one_tier([Tier.CPU] * 3) is Tier.CPU and p.one_tier([]) == []
-    assert p.one_tier([Tier.CPU, Tier.DISK]) == [Tier.CPU, Tier.DISK]
-    one = p.FrameEncoder().encode(p.LookupReply(id=1, num_hit=64, tiers=Tier.DISK, slots=[], instance_id="i"))
+    assert p.one_value([Tier.CPU] * 3) is Tier.CPU and p.one_value([]) == []
+    assert p.one_value([Tier.CPU, Tier.DISK]) == [Tier.CPU, Tier.DISK]
+    one = p.FrameEncoder().encode(
+        p.LookupReply(id=1, num_hit=64, tiers=Tier.DISK, offsets=[], lengths=0, instance_id="i")
+    )
     many = p.FrameEncoder().encode(
-        p.LookupReply(id=1, num_hit=64, tiers=[Tier.DISK] * 64, slots=[], instance_id="i")
+        p.LookupReply(id=1, num_hit=64, tiers=[Tier.DISK] * 64, offsets=[], lengths=0, instance_id="i")
     )
     assert len(many) - len(one) == 64 + 2  # one int instead of an array of 64
+
+
+def test_a_lookup_reply_is_smaller_than_one_slot_array_per_hit() -> None:
+    enc = p.FrameEncoder()
+    offsets = [i << 21 for i in range(64)]
+    packed = enc.encode(
+        p.LookupReply(id=1, num_hit=64, tiers=Tier.CPU, offsets=offsets, lengths=1 << 21, instance_id="i")
+    )
+    per_hit = enc.encode(
+        p.StageReply(id=1, slots=[SlotRef(o, 1 << 21) for o in offsets], tiers=[], failed=[], instance_id="i")
+    )
+    assert len(per_hit) - len(packed) >= 64 * 5  # each hit's array header and length are gone
 
 
 def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:

@@ -13,6 +13,7 @@ from app import protocol as p
 from app.address import parse_url
 from app.client import ServiceClient
 from app.server import ServeError, check_bind
+from storage.base import Tier
 from storage.keys import namespace_id
 from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -94,6 +95,35 @@ def test_a_release_that_wants_no_reply_ends_the_lease_in_order_and_answers_nothi
         assert stats.id == 6 and stats.stats["leases_active"] == 0
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
         assert conn.call(p.Health(id=7)).id == 7  # nothing else came in between
+        conn.close()
+
+
+def test_a_lookup_ends_the_lease_it_replaces_even_when_it_fails(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        ns = conn.hello(spec=SPEC).namespace
+        keys = hashes(4)
+        got = conn.call(p.Reserve(id=2, namespace=ns, hashes=keys))
+        conn.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=got.slots))
+        conn.call(p.Lookup(id=4, namespace=ns, hashes=keys, lease_id="r1"))
+        reply = conn.call(p.Lookup(id=5, namespace=ns, hashes=keys[:2], lease_id="r2", replaces="r1"))
+        assert reply.num_hit == 2 and reply.tiers is Tier.CPU
+        assert reply.offsets == [s.offset for s in got.slots[:2]] and reply.lengths == got.slots[0].length
+        assert svc.call(lambda: svc.service.owned()) == (1, 0)  # r2 only
+        assert svc.call(lambda: svc.service.stats()["leases_active"]) == 1
+        # A lookup the service refuses (unknown namespace) still ends the lease it replaces.
+        refused = conn.call(p.Lookup(id=6, namespace="0" * 16, hashes=keys, lease_id="r3", replaces="r2"))
+        assert isinstance(refused, p.ErrorReply) and refused.code == p.ErrorCode.UNKNOWN_NAMESPACE
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+        assert svc.call(lambda: svc.service.stats()["leases_active"]) == 0
+        # Likewise on the Task path: queued behind a hello that is still in flight.
+        conn.call(p.Lookup(id=7, namespace=ns, hashes=keys, lease_id="r4"))
+        conn.send(p.Hello(id=8, version=p.PROTOCOL_VERSION, spec=SPEC))
+        conn.send(p.Lookup(id=9, namespace="0" * 16, hashes=keys, lease_id="r5", replaces="r4"))
+        replies = {r.id: r for r in (conn.recv(), conn.recv())}
+        assert replies[9].code == p.ErrorCode.UNKNOWN_NAMESPACE
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+        assert svc.call(lambda: svc.service.stats()["leases_active"]) == 0
         conn.close()
 
 

@@ -45,12 +45,22 @@ class FakeClient:
     lookups: list[str] = field(default_factory=list)
     pending: list[tuple[concurrent.futures.Future, LookupReply]] = field(default_factory=list)
 
-    def lookup(self, namespace: str, hashes: list[bytes], lease_id: str, timeout: float | None = None):
+    def lookup(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        lease_id: str,
+        timeout: float | None = None,
+        *,
+        replaces: str = "",
+    ):
         self.lookups.append(lease_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.down:
             fut.set_exception(ServiceUnavailable("down"))
             return fut
+        if replaces:  # the service ends it with the lookup
+            self.released.append(replaces)
         n = 0
         while n < len(hashes) and hashes[n] in self.stored:
             n += 1
@@ -205,6 +215,17 @@ def test_repeated_lookup_replaces_the_lease() -> None:
     assert client.released == [client.lookups[0]]
     side.request_finished(req, [])
     assert client.released == client.lookups
+
+
+def test_a_failed_lookup_still_ends_the_lease_it_replaced() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, 0): Tier.CPU}
+    side.get_num_new_matched_tokens(req, 0)  # allocation fails: no update_state_after_alloc
+    client.down = True  # the next lookup never reaches the service, nor does its replacing
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert client.released == [client.lookups[0]]
 
 
 def test_decode_chunk_saved_when_its_hash_appears_a_step_late() -> None:

@@ -268,6 +268,61 @@ async def test_repeating_a_lookup_keeps_one_pin_per_chunk(make) -> None:
     await settled(env)
 
 
+async def test_a_lookup_ends_the_lease_it_replaces(make) -> None:
+    env = await make()
+    await env.save([0, 1, 2])
+    await env.store.flush()
+    env.disk.data[env.key(5)] = payload(H[5])
+    await env.store.lookup(env.ns, [H[0], H[1]], "a")
+    # The same chunks under a new id: the pins move over, one per chunk, and "a" is gone.
+    res = env.store.lookup_now(env.ns, [H[0], H[1]], "b", replaces="a")
+    assert res is not None and res.num_hit == 2
+    assert env.pins(0) == 1 and env.pins(1) == 1 and env.store.stats().leases_active == 1
+    await env.store.release("a")  # ended already: nothing left to end
+    assert env.pins(0) == 1 and env.pins(1) == 1
+    # Other chunks: the new ones are pinned, the replaced lease's are let go.
+    env.store.lookup_now(env.ns, [H[2]], "c", replaces="b")
+    assert (env.pins(0), env.pins(1), env.pins(2)) == (0, 0, 1)
+    # A lower-tier hit (the lookup that must wait) replaces as well.
+    await env.store.lookup(env.ns, [H[5]], "d", replaces="c")
+    assert env.pins(2) == 0 and env.disk.pins == {env.key(5): 1}
+    assert env.store.stats().leases_active == 1
+    # A miss takes no lease and still ends the one it replaces, on either path.
+    res = await env.store.lookup(env.ns, [H[9]], "e", replaces="d")
+    assert res.num_hit == 0 and env.disk.pins == {} and env.store.stats().leases_active == 0
+    env.store.lookup_now(env.ns, [H[0]], "f")
+    assert env.store.lookup_now(env.ns, [H[9]], "g", replaces="f") is None  # a lower tier may have it
+    assert env.pins(0) == 1  # declined: nothing changed
+    await env.store.lookup(env.ns, [H[9]], "g", replaces="f")
+    assert env.pins(0) == 0 and env.store.stats().leases_active == 0
+    await settled(env)
+
+
+async def test_a_lookup_that_replaces_its_own_lease_keeps_it(make) -> None:
+    env = await make()
+    await env.save([0])
+    await env.store.flush()
+    env.store.lookup_now(env.ns, [H[0]], "a")
+    env.store.lookup_now(env.ns, [H[0]], "a", replaces="a")
+    assert env.pins(0) == 1 and env.store.stats().leases_active == 1
+    await env.store.release("a")
+    await settled(env)
+
+
+async def test_taken_over_pins_make_chunks_recent_when_the_last_lease_lets_go(make) -> None:
+    env = await make(chunks=4)
+    await env.save([0, 1, 2, 3])
+    await env.store.flush()
+    env.store.lookup_now(env.ns, [H[0]], "a")
+    env.store.lookup_now(env.ns, [H[1]], "x")
+    env.store.lookup_now(env.ns, [H[0]], "b", replaces="a")  # 0's pin moves over, no release yet
+    await env.store.release("x")
+    await env.store.release("b")  # 0 is the most recently used now, then 1
+    slots = await env.store.reserve(env.ns, [H[4], H[5]])
+    assert None not in slots and env.key(0) in env.store.cpu and env.key(1) in env.store.cpu
+    await env.store.abort([s for s in slots if s is not None])
+
+
 async def test_a_chunk_is_recent_when_its_lease_lets_go(make) -> None:
     env = await make(chunks=4)
     await env.save([0, 1, 2, 3])
