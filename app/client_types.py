@@ -8,13 +8,12 @@ functions below only wrap them, on whichever thread read the reply (see app.clie
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
-from typing import Any, Protocol, overload
+from typing import Any, Protocol
 
 from app import protocol as p
-from storage.base import ArenaInfo, LookupResult, SlotRef, StageResult
+from storage.base import ArenaInfo, LookupResult, SlotList, SlotRef, StageResult
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -123,53 +122,6 @@ def _hello(msg: p.HelloReply) -> HelloReply:
         msg.chunk_bytes,
         msg.version,
     )
-
-
-class SlotList(Sequence[SlotRef | None]):
-    """The slots of a lookup answer, each made from its offset and length when asked for: the
-    connector reads only those of the chunks it loads, often none."""
-
-    __slots__ = ("_lengths", "_offsets")
-
-    def __init__(self, offsets: list[int | None], lengths: list[int] | int) -> None:
-        if isinstance(lengths, list) and len(lengths) != len(offsets):
-            raise ValueError(f"{len(offsets)} slot offsets but {len(lengths)} lengths")
-        self._offsets = offsets
-        self._lengths = lengths
-
-    def __len__(self) -> int:
-        return len(self._offsets)
-
-    @overload
-    def __getitem__(self, index: int) -> SlotRef | None: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[SlotRef | None]: ...
-
-    def __getitem__(self, index: int | slice) -> SlotRef | list[SlotRef | None] | None:
-        if isinstance(index, slice):
-            return list(self)[index]
-        offset = self._offsets[index]
-        if offset is None:
-            return None
-        lengths = self._lengths
-        return SlotRef(offset, lengths if isinstance(lengths, int) else lengths[index])
-
-    def __iter__(self) -> Iterator[SlotRef | None]:
-        lengths = self._lengths
-        each = repeat(lengths) if isinstance(lengths, int) else iter(lengths)
-        for offset, length in zip(self._offsets, each, strict=False):  # each may repeat forever
-            yield None if offset is None else SlotRef(offset, length)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, SlotList | list | tuple):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to a list: unhashable like one
-
-    def __repr__(self) -> str:
-        return f"SlotList({list(self)!r})"
 
 
 def _lookup(msg: p.LookupReply) -> LookupReply:

@@ -28,6 +28,7 @@ from storage.base import (
     ImmediateStoreAPI,
     LookupResult,
     NamespaceSpec,
+    SlotList,
     SlotRef,
     SlotStateError,
     StorageError,
@@ -48,6 +49,8 @@ def _wire_slots(
     slots: Sequence[SlotRef | None], every_slot: bool
 ) -> tuple[list[int | None], list[int] | int]:
     """A lookup's slots as LookupReply carries them: offsets (None for no slot) and lengths."""
+    if type(slots) is SlotList:  # the store's answer from the CPU tier: in that form already
+        return slots.offsets, slots.lengths
     if every_slot:  # every hit a CPU-tier slot, the usual answer: C-level passes only
         return list(map(_first, slots)), p.one_value(list(map(_second, slots)))  # type: ignore[arg-type]
     known = {s.length for s in slots if s is not None}

@@ -23,6 +23,8 @@ HEADLINES = [
     ("storage", "arena.stage_ratio", None, True),
     ("service", "lookup_p50_ratio", 3.0, False),
     ("service", "lookup_p99_ratio", 5.0, False),
+    ("service", "lookup_fresh_p50_ratio", 3.0, False),
+    ("service", "lookup_fresh_p99_ratio", 5.0, False),
     ("service", "commit_p50_ratio", None, False),
     ("service", "rss_mb", 200.0, False),
     ("connector", "copy_ratio", 0.7, True),

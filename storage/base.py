@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, runtime_checkable
+from itertools import repeat
+from typing import NamedTuple, Protocol, overload, runtime_checkable
 
 BLOB_FORMAT_VERSION = 1
 
@@ -105,6 +106,63 @@ class SlotRef(NamedTuple):
 
     offset: int
     length: int
+
+
+class SlotList(Sequence[SlotRef | None]):
+    """Slots as offsets (None for no slot) and their one length or one length each, each SlotRef
+    made when asked for: how lookups hand out slots, which are mostly passed on, rarely read."""
+
+    __slots__ = ("_lengths", "_offsets")
+
+    def __init__(self, offsets: list[int | None], lengths: list[int] | int) -> None:
+        if isinstance(lengths, list) and len(lengths) != len(offsets):
+            raise ValueError(f"{len(offsets)} slot offsets but {len(lengths)} lengths")
+        self._offsets = offsets
+        self._lengths = lengths
+
+    @property
+    def offsets(self) -> list[int | None]:
+        """Each slot's offset, None where there is no slot."""
+        return self._offsets
+
+    @property
+    def lengths(self) -> list[int] | int:
+        """The slots' one length, or each slot's."""
+        return self._lengths
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> SlotRef | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[SlotRef | None]: ...
+
+    def __getitem__(self, index: int | slice) -> SlotRef | list[SlotRef | None] | None:
+        if isinstance(index, slice):
+            return list(self)[index]
+        offset = self._offsets[index]
+        if offset is None:
+            return None
+        lengths = self._lengths
+        return SlotRef(offset, lengths if isinstance(lengths, int) else lengths[index])
+
+    def __iter__(self) -> Iterator[SlotRef | None]:
+        lengths = self._lengths
+        each = repeat(lengths) if isinstance(lengths, int) else iter(lengths)
+        for offset, length in zip(self._offsets, each, strict=False):  # each may repeat forever
+            yield None if offset is None else SlotRef(offset, length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SlotList | list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list: unhashable like one
+
+    def __repr__(self) -> str:
+        return f"SlotList({list(self)!r})"
 
 
 # ---------------------------------------------------------------------------------------------- results

@@ -35,6 +35,7 @@ class CpuEntry(msgspec.Struct, eq=False, gc=False):
 
     key: ChunkKey
     slot: SlotRef
+    offset: int  # slot.offset, read here by lookups: a field costs half a NamedTuple attribute
     pins: int = 0
     persisted: bool = False  # queued for, or read from, the lower tiers: never queue it again
     indexed: bool = True  # False once deleted or replaced while still pinned
@@ -242,7 +243,7 @@ class CpuTier:
             or (chunks is not None and not chunks.keys().isdisjoint(hashes))
         ):
             return None
-        fresh = list(map(CpuEntry, keys, slots, repeat(0), repeat(persisted)))
+        fresh = list(map(CpuEntry, keys, slots, map(_offset_of, slots), repeat(0), repeat(persisted)))
         self._index.setdefault(namespace, {}).update(zip(hashes, fresh, strict=True))
         self._by_offset.update(zip(map(_offset_of, slots), fresh, strict=True))
         self._publish(fresh[:])  # _publish empties the list it is given
@@ -273,7 +274,7 @@ class CpuTier:
             if slot.length != length:
                 self._publish(fresh)
                 length = slot.length
-            entry = CpuEntry(key, slot, 0, persisted)
+            entry = CpuEntry(key, slot, slot.offset, 0, persisted)
             chunks[key.prefix_hash] = entry
             by_offset[slot.offset] = entry
             fresh.append(entry)

@@ -26,8 +26,8 @@ from app.client import (
     ServiceUnavailable,
     StaleInstance,
 )
-from app.client_types import CONVERT, SlotList
-from storage.base import LookupResult, SlotRef, Tier
+from app.client_types import CONVERT
+from storage.base import LookupResult, SlotList, SlotRef, Tier
 from storage.keys import namespace_id
 from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
