@@ -6,6 +6,7 @@ import socket
 import struct
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _stored(conn: RawConn, n: int) -> tuple[str, list[bytes], list[Any]]:
+    """Register SPEC on conn and store n chunks (ids 1-3); their namespace, hashes and slots."""
+    ns = conn.hello(spec=SPEC).namespace
+    keys = hashes(n)
+    got = conn.call(p.Reserve(id=2, namespace=ns, hashes=keys))
+    assert conn.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=got.slots)) == p.OkReply(id=3)
+    return ns, keys, got.slots
 
 
 def test_socket_is_owner_only_and_first_call_must_be_hello(tmp_path: Path) -> None:
@@ -81,10 +91,7 @@ def test_a_release_that_wants_no_reply_ends_the_lease_in_order_and_answers_nothi
 ) -> None:
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)
-        ns = conn.hello(spec=SPEC).namespace
-        keys = hashes(4)
-        got = conn.call(p.Reserve(id=2, namespace=ns, hashes=keys))
-        conn.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=got.slots))
+        ns, keys, _ = _stored(conn, 4)
         assert conn.call(p.Lookup(id=4, namespace=ns, hashes=keys, lease_id="r1")).num_hit == 4
         assert svc.call(lambda: svc.service.stats()["leases_active"]) == 1
         # In one write, as the client sends a held release with its next call: the release is
@@ -101,14 +108,11 @@ def test_a_release_that_wants_no_reply_ends_the_lease_in_order_and_answers_nothi
 def test_a_lookup_ends_the_lease_it_replaces_even_when_it_fails(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)
-        ns = conn.hello(spec=SPEC).namespace
-        keys = hashes(4)
-        got = conn.call(p.Reserve(id=2, namespace=ns, hashes=keys))
-        conn.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=got.slots))
+        ns, keys, slots = _stored(conn, 4)
         conn.call(p.Lookup(id=4, namespace=ns, hashes=keys, lease_id="r1"))
         reply = conn.call(p.Lookup(id=5, namespace=ns, hashes=keys[:2], lease_id="r2", replaces="r1"))
         assert reply.num_hit == 2 and reply.tiers is Tier.CPU
-        assert reply.offsets == [s.offset for s in got.slots[:2]] and reply.lengths == got.slots[0].length
+        assert reply.offsets == [s.offset for s in slots[:2]] and reply.lengths == slots[0].length
         assert svc.call(lambda: svc.service.owned()) == (1, 0)  # r2 only
         assert svc.call(lambda: svc.service.stats()["leases_active"]) == 1
         # A lookup the service refuses (unknown namespace) still ends the lease it replaces.
