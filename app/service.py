@@ -45,19 +45,20 @@ _first = itemgetter(0)  # a slot's offset; an ownership entry's SlotRef
 _second = itemgetter(1)  # an ownership entry's connection
 
 
-def _wire_slots(
-    slots: Sequence[SlotRef | None], every_slot: bool
-) -> tuple[list[int | None], list[int] | int]:
+def _wire_slots(slots: Sequence[SlotRef | None]) -> tuple[list[int | None], list[int] | int]:
     """A lookup's slots as LookupReply carries them: offsets (None for no slot) and lengths."""
-    if type(slots) is SlotList:  # the store's answer from the CPU tier: in that form already
+    if type(slots) is SlotList:  # TieredStore answers in that form already
         return slots.offsets, slots.lengths
-    if every_slot:  # every hit a CPU-tier slot, the usual answer: C-level passes only
-        return list(map(_first, slots)), p.one_value(list(map(_second, slots)))  # type: ignore[arg-type]
     known = {s.length for s in slots if s is not None}
     offsets = [None if s is None else s.offset for s in slots]
     if len(known) <= 1:
         return offsets, known.pop() if known else 0
     return offsets, [0 if s is None else s.length for s in slots]
+
+
+def _replaced(msg: p.Lookup) -> str:
+    """The lease a lookup ends besides its own lease_id's, or ''."""
+    return msg.replaces if msg.replaces != msg.lease_id else ""
 
 
 class CallError(Exception):
@@ -413,34 +414,33 @@ class Service:
         try:
             result = self._immediate.lookup_now(msg.namespace, msg.hashes, msg.lease_id, msg.replaces)
         except Exception:
-            if msg.replaces and msg.replaces != msg.lease_id:
-                with contextlib.suppress(Exception):  # see _end_replaced
-                    self._immediate.release_now(msg.replaces)
-                self._disown_lease(msg.replaces)
+            if replaced := _replaced(msg):  # see _end_replaced
+                with contextlib.suppress(Exception):
+                    self._immediate.release_now(replaced)
+                self._disown_lease(replaced)
             raise
         return None if result is None else self._looked_up(conn, msg, result, start)
 
     async def _end_replaced(self, msg: p.Lookup) -> None:
         """A lookup that failed still ends the lease it replaces: its caller has let go of it."""
-        if msg.replaces and msg.replaces != msg.lease_id:
+        if replaced := _replaced(msg):
             with contextlib.suppress(Exception):  # the lookup's own error is the one to report
-                await self.store.release(msg.replaces)
-            self._disown_lease(msg.replaces)
+                await self.store.release(replaced)
+            self._disown_lease(replaced)
 
     def _looked_up(self, conn: Connection, msg: p.Lookup, result: LookupResult, start: float) -> p.Reply:
         if result.num_hit:
             self._own_lease(conn, msg.lease_id)
         else:  # the store holds no lease for a miss (it dropped any earlier one)
             self._disown_lease(msg.lease_id)
-        if msg.replaces and msg.replaces != msg.lease_id:
-            self._disown_lease(msg.replaces)
+        if replaced := _replaced(msg):
+            self._disown_lease(replaced)
         self.metrics.count_hits(result.tiers, self._chunk_tokens.get(msg.namespace, 0))
-        tiers = p.one_value(result.tiers)
-        offsets, lengths = _wire_slots(result.slots, every_slot=tiers is Tier.CPU)
+        offsets, lengths = _wire_slots(result.slots)
         reply = p.LookupReply(
             id=msg.id,
             num_hit=result.num_hit,
-            tiers=tiers,
+            tiers=p.one_value(result.tiers),
             offsets=offsets,
             lengths=lengths,
             instance_id=self.instance_id,

@@ -242,9 +242,10 @@ class TieredStore:
             for entry in hits:
                 self._persist(entry)  # 'on_reuse' trigger; retries a dropped write
         self._lease_entries(lease_id, hits, olds)
-        # Offsets and one length, as the service sends them: the slots of a namespace's chunks
-        # are all chunk_bytes long (reserved so, and committed only into their own namespace).
-        # A comprehension, not map(attrgetter): 3.11 reads a struct field faster inline.
+        # Offsets and one length, as the service sends them (here and in _lookup_lower): the
+        # slots of a namespace's chunks are all chunk_bytes long (reserved so, and committed only
+        # into their own namespace). A comprehension, not map(attrgetter): 3.11 reads a struct
+        # field faster inline.
         return LookupResult(num_hit, [_CPU] * num_hit, SlotList([e.offset for e in hits], chunk_bytes))
 
     def _pop_leases(self, lease_id: str, replaces: str) -> list[Lease]:
@@ -310,7 +311,8 @@ class TieredStore:
             self._leases.put(self._leases.new(lease_id, keys[:num_hit], hit_tiers, hits, lower_pinned))
         for old in olds:
             self._unpin_lease(old)
-        return LookupResult(num_hit, hit_tiers, [None if e is None else e.slot for e in hits])
+        offsets = [None if e is None else e.offset for e in hits]
+        return LookupResult(num_hit, hit_tiers, SlotList(offsets, self._chunk_bytes_of(namespace)))
 
     async def _probe_lower(self, keys: list[ChunkKey], tiers: list[Tier | None]) -> None:
         """Fill tiers[i] for keys missing so far, one batched contains_many per lower tier."""

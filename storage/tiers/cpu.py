@@ -243,9 +243,10 @@ class CpuTier:
             or (chunks is not None and not chunks.keys().isdisjoint(hashes))
         ):
             return None
-        fresh = list(map(CpuEntry, keys, slots, map(_offset_of, slots), repeat(0), repeat(persisted)))
+        offsets = list(map(_offset_of, slots))
+        fresh = list(map(CpuEntry, keys, slots, offsets, repeat(0), repeat(persisted)))
         self._index.setdefault(namespace, {}).update(zip(hashes, fresh, strict=True))
-        self._by_offset.update(zip(map(_offset_of, slots), fresh, strict=True))
+        self._by_offset.update(zip(offsets, fresh, strict=True))
         self._publish(fresh[:])  # _publish empties the list it is given
         return fresh
 
