@@ -28,9 +28,16 @@ client.wait_connected(10)
 pid = json.loads(paths_for(sys.argv[1])[2].read_text())["pid"]
 def cpus(tid):
     return sorted(os.sched_getaffinity(tid))
+def service_cpus():
+    seen = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            seen[int(t)] = cpus(int(t))
+        except ProcessLookupError:  # a short-lived thread (e.g. a pool worker) ended after listdir
+            pass
+    return seen
 print(json.dumps({
-    "main": cpus(0), "client": cpus(client._thread.native_id),
-    "service": {int(t): cpus(int(t)) for t in os.listdir(f"/proc/{pid}/task")},
+    "main": cpus(0), "client": cpus(client._thread.native_id), "service": service_cpus(),
 }), flush=True)
 sys.stdin.read()
 client.close()
