@@ -203,8 +203,9 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete before the forward starts; nothing to wait for per layer."""
-        return
+        """Hold the layer's attention until this step's loads of that layer are in place."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

@@ -14,11 +14,18 @@ copies run on a side stream. Either way ``wait()`` is the fence.
 
 ``save_batch`` is the worker's save path: with a copy thread, a whole step's save copies run there
 after the caller returns, and a callback learns their outcome (see ``save_batch`` for why).
+``load_layers`` is the load path for hits the forward uses at once: it copies layer by layer (every
+chunk's layer 0, then layer 1, ...) behind the caller's back and answers with a ``LayerLoads`` whose
+``wait_layer(i)`` returns once layers 0..i are in place, so attention of early layers overlaps the
+loads of later ones (CPU: on the copy thread; CUDA: one event per layer on the side stream, and the
+compute stream waits on it without blocking the host).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +60,78 @@ def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
 _Run = tuple[int, int, int]  # (index of the run's first id, first block id, length)
 # A CPU copy of layers [lo, hi): (lo, hi, slot, runs, first slot row).
 _LayerCopy = Callable[[int, int, np.ndarray, list[_Run], int], None]
+
+
+class LayerLoads:
+    """Loads issued layer by layer: wait_layer(i) returns once layers 0..i are in place."""
+
+    ended: float | None = None  # time.monotonic() when the last copy ended, where it is known
+
+    def wait_layer(self, layer: int) -> None:
+        """Make what runs next (the forward's attention of ``layer``) see that layer's loads."""
+
+    def finish(self) -> BaseException | None:
+        """Block until every layer is in place; the first copy error, or None."""
+        return None
+
+
+class _CpuLayerLoads(LayerLoads):
+    """Progress of a layer-by-layer load on the copy thread."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._cond = threading.Condition()
+        self._done = 0  # layers in place
+        self._num_layers = num_layers
+        self._error: BaseException | None = None
+
+    def advance(self) -> None:
+        """One more layer is in place (copy thread)."""
+        with self._cond:
+            self._done += 1
+            if self._done == self._num_layers:
+                self.ended = time.monotonic()
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """A copy failed: every waiter goes on, and finish() reports it (copy thread)."""
+        with self._cond:
+            self._error = error
+            self._done = self._num_layers
+            self.ended = time.monotonic()
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layers 0..layer are copied (or a copy failed)."""
+        with self._cond:
+            while self._done <= layer:
+                self._cond.wait()
+
+    def finish(self) -> BaseException | None:
+        """Block until every layer is copied; the copy error, or None."""
+        self.wait_layer(self._num_layers - 1)
+        return self._error
+
+
+class _CudaLayerLoads(LayerLoads):
+    """One event per layer, recorded on the copy stream after that layer's copies."""
+
+    def __init__(self, events: list[torch.cuda.Event], device: torch.device) -> None:
+        self._events = events
+        self._device = device
+
+    def wait_layer(self, layer: int) -> None:
+        """Order the compute stream after the layer's copies; the host does not block."""
+        if layer < len(self._events):
+            torch.cuda.current_stream(self._device).wait_event(self._events[layer])
+
+    def finish(self) -> BaseException | None:
+        """Block the host until the last layer's copies have ended."""
+        try:
+            if self._events:
+                self._events[-1].synchronize()
+        except Exception as exc:
+            return exc
+        return None
 
 
 def block_runs(ids: Sequence[int]) -> list[_Run]:
@@ -231,16 +310,66 @@ class BlockCopier:
             self._on_cpu(self._load_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), first)
             return
         ids = self._ids(block_ids)
-        n = len(block_ids)
         with self._on_stream():
-            for layer, planes in enumerate(self.layers):
-                src = slot[layer, first : first + n].to(self.device, non_blocking=True)
-                offset = 0
-                for plane in planes:
-                    width = plane.shape[1]
-                    part = src if len(planes) == 1 else src[:, offset : offset + width]
-                    plane.index_copy_(0, ids, part)
-                    offset += width
+            for layer in range(self.num_layers):
+                self._load_layer_cuda(layer, slot, first, ids)
+
+    def load_layers(self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> LayerLoads:
+        """Start loading each (slot, first slot row, block ids) as load() would, layer by layer.
+
+        Without a copy thread (one CPU) the copies run here and the answer is already complete.
+        The caller must keep the slots mapped and the blocks unread by anything but the forward's
+        waited-for layers until finish() (or wait()) returns.
+        """
+        if self._cuda:
+            return self._load_layers_cuda(chunks)
+        work = [(slot.numpy(), first, block_runs([int(b) for b in ids])) for slot, first, ids in chunks]
+        progress = _CpuLayerLoads(self.num_layers)
+        if self._helper is None:
+            self._load_layers_cpu(work, progress)
+        else:
+            self._helper.submit(self._load_layers_cpu, work, progress)
+        return progress
+
+    def _load_layers_cpu(
+        self, work: list[tuple[np.ndarray, int, list[_Run]]], progress: _CpuLayerLoads
+    ) -> None:
+        """load_layers' copies; never raises (progress carries the error), so a failed load
+        cannot fail an unrelated save at the next fence."""
+        try:
+            for layer in range(self.num_layers):
+                for slot, first, runs in work:
+                    self._load_cpu(layer, layer + 1, slot, runs, first)
+                progress.advance()
+        except Exception as exc:
+            progress.fail(exc)
+
+    def _load_layers_cuda(
+        self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]
+    ) -> LayerLoads:
+        assert self._stream is not None
+        # vLLM may still be zeroing freshly allocated blocks on the compute stream: load after it.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        ids = [(slot, first, self._ids(block_ids)) for slot, first, block_ids in chunks]
+        events = []
+        with self._on_stream():
+            for layer in range(self.num_layers):
+                for slot, first, block_ids in ids:
+                    self._load_layer_cuda(layer, slot, first, block_ids)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                events.append(event)
+        return _CudaLayerLoads(events, self.device)
+
+    def _load_layer_cuda(self, layer: int, slot: torch.Tensor, first: int, ids: torch.Tensor) -> None:
+        planes = self.layers[layer]
+        src = slot[layer, first : first + len(ids)].to(self.device, non_blocking=True)
+        offset = 0
+        for plane in planes:
+            width = plane.shape[1]
+            part = src if len(planes) == 1 else src[:, offset : offset + width]
+            plane.index_copy_(0, ids, part)
+            offset += width
 
     def wait(self) -> None:
         """Block until every copy issued so far has finished; CopyError if a CPU copy failed."""

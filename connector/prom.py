@@ -40,6 +40,11 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
         None,
     ),
     "save_errors": ("vllm:kvtier_save_errors", "Save calls that failed.", None),
+    "unwaited_layer_loads": (
+        "vllm:kvtier_unwaited_layer_loads",
+        "Steps whose forward did not wait for a layer's loads (loads recomputed, then fenced).",
+        None,
+    ),
 }
 
 

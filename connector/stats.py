@@ -68,6 +68,7 @@ class WorkerCounters:
     saved_chunks: int = 0
     save_skipped_chunks: int = 0
     save_errors: int = 0
+    unwaited_layer_loads: int = 0  # steps whose forward skipped a wait_for_layer_load
     load_seconds: float = 0.0
     save_seconds: float = 0.0
 

@@ -2,8 +2,9 @@
 
 Who owns what: vLLM's worker thread owns this object and every copy. The service client's thread only
 completes futures; results are consumed here, on the worker thread, when vLLM polls. Per step:
-``bind_connector_metadata`` fires the reserves for this step's saves; ``start_load_kv`` copies CPU-tier
-hits into their blocks before the forward and fires stages for lower-tier hits; ``wait_for_save`` hands
+``bind_connector_metadata`` fires the reserves for this step's saves; ``start_load_kv`` starts copying
+CPU-tier hits into their blocks layer by layer and fires stages for lower-tier hits;
+``wait_for_layer_load`` holds each attention layer until its loads are in place; ``wait_for_save`` hands
 the step's finished chunks to the copier, which copies them into reserved slots (on its copy thread,
 while vLLM goes on, when it has one) and then commits them; ``get_finished`` completes async loads and
 reports held requests once every save issued before they were held has ended. Nothing waits on the
@@ -11,7 +12,14 @@ service longer than a small bound.
 
 Deferred saves read blocks after wait_for_save returns, so every path on which vLLM may reuse a
 block fences first: ``handle_preemptions`` (preempted requests), held finished requests (reported
-only after their saves end), a sync load (its own fence), a new arena and shutdown.
+only after their saves end), a new arena and shutdown.
+
+Layer-by-layer loads are safe only if vLLM calls ``wait_for_layer_load`` for every layer before its
+attention reads it; a replayed full CUDA graph, for one, does not. So the step's loads are checked
+when they are finished (at the first of wait_for_save, get_finished or the load-error report, all
+after the forward): if a layer was never waited for, every block of those loads is reported as a
+load error (vLLM recomputes it and drops the step's token), and from then on loads are fenced before
+the forward.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ from typing import Any
 from app.affinity import engine_cpus
 from app.client import HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
 from connector.config import ConnectorConfig
-from connector.copy import BlockCopier, pin_host_buffer, unpin_host_buffer
+from connector.copy import BlockCopier, LayerLoads, pin_host_buffer, unpin_host_buffer
 from connector.copy_thread import CopyError
-from connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from connector.stats import WorkerCounters, merge_counts
 from storage.arena import ArenaMapping
 from storage.base import SlotRef
@@ -50,6 +58,16 @@ class _SavedJob:
     hashes: list[bytes]
     slots: list[SlotRef]
     instance_id: str
+
+
+@dataclass(slots=True)
+class _StepLoads:
+    """A step's layer-by-layer sync loads, from start_load until they are finished and checked."""
+
+    loads: LayerLoads
+    jobs: list[tuple[LoadJob, list[int]]]  # each job and the indices of its chunks already failed
+    started: float
+    waited: set[int]  # layers the forward waited for
 
 
 @dataclass(slots=True)
@@ -120,6 +138,9 @@ class WorkerSide:
         self._held: dict[str, int] = {}  # held request -> save batches that must end before it goes
         self._hello: concurrent.futures.Future[HelloReply] | None = None
         self._save_wait = SAVE_WAIT_S
+        self._layer_index = {name: i for i, name in enumerate(cfg.layer_names)}
+        self._step_loads: _StepLoads | None = None
+        self._layered = True  # until vLLM is seen to skip a wait_for_layer_load
         if client is not None:
             self._hello = client.hello(cfg.spec)
 
@@ -172,6 +193,7 @@ class WorkerSide:
     # ---------------------------------------------------------------------------------- steps
     def bind(self, meta: KVTierMetadata) -> None:
         """Start this step's reserves early, so their answers are in by wait_for_save."""
+        self._finish_loads()  # the last step's, if nothing finished them (its forward raised)
         self._failed_this_step = set()
         self._held_now.update(meta.held)  # reported in get_finished whatever else happens
         self._refresh_arena()
@@ -186,30 +208,98 @@ class WorkerSide:
             self._fence()
 
     def start_load(self, meta: KVTierMetadata) -> None:
-        """Copy CPU-tier hits into their blocks now; stage lower-tier hits asynchronously."""
+        """Start copying CPU-tier hits into their blocks; stage lower-tier hits asynchronously."""
+        sync = []
         for job in meta.loads:
-            if job.is_async:
-                if self.client is None or not self.ready:
-                    self._fail_job(job, range(len(job.chunks)))
-                    self._finished_recving.add(job.req_id)
-                    continue
+            if not job.is_async:
+                sync.append(job)
+            elif self.client is None or not self.ready:
+                self._fail_job(job, range(len(job.chunks)))
+                self._finished_recving.add(job.req_id)
+            else:
                 future = self.client.stage(job.lease_id)
                 self._async[job.req_id] = _PendingLoad(job, future, time.monotonic())
-            else:
+        if not sync:
+            return
+        if self._layered and self.copier is not None:
+            self._load_layered(sync)
+        else:
+            for job in sync:
                 self._load_sync(job)
 
     def _load_sync(self, job: LoadJob) -> None:
         started = time.monotonic()
         failed = []
         for i, chunk in enumerate(job.chunks):
-            slot = None if chunk.slot is None else SlotRef(*chunk.slot)
-            buf = None if slot is None else self._arena.view(job.instance_id, slot)
+            buf = self._hit_buf(job, chunk)
             if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
                 failed.append(i)
         if not self._fence():
             failed = list(range(len(job.chunks)))
         self._account_load(job, failed, started)
         self._release(job.lease_id)
+
+    def _load_layered(self, jobs: list[LoadJob]) -> None:
+        """Issue the step's sync loads layer by layer; the forward waits per layer."""
+        assert self.copier is not None
+        started = time.monotonic()
+        chunks: list[tuple[Any, int, list[int]]] = []
+        planned: list[tuple[LoadJob, list[int]]] = []
+        for job in jobs:
+            failed = []
+            for i, chunk in enumerate(job.chunks):
+                buf = self._hit_buf(job, chunk)
+                view = None if buf is None else self._slot_view(buf)
+                if view is None:
+                    failed.append(i)
+                else:
+                    chunks.append((view, chunk.first, chunk.block_ids))
+            planned.append((job, failed))
+        loads = LayerLoads()  # nothing issued: nothing for the forward to wait for
+        try:
+            if chunks:
+                loads = self.copier.load_layers(chunks)
+        except Exception as exc:  # nothing was issued: all of it is a miss, recomputed
+            log.warning("kvtier: load copy failed: %s", exc)
+            planned = [(job, list(range(len(job.chunks)))) for job, _ in planned]
+            chunks = []
+        waited = set() if chunks else set(range(len(self._layer_index)))
+        self._step_loads = _StepLoads(loads, planned, started, waited)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this step's loads of the layer are in place (CUDA: ordered on the stream)."""
+        step = self._step_loads
+        if step is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            step.loads.wait_layer(layer)
+            step.waited.add(layer)
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's layer-by-layer loads, check the forward waited for every layer,
+        then count them, report failed blocks and release their leases."""
+        step, self._step_loads = self._step_loads, None
+        if step is None:
+            return
+        error = step.loads.finish()
+        if error is not None:
+            log.warning("kvtier: load copy failed: %s", error)
+        unwaited = sorted(set(range(len(self._layer_index))) - step.waited)
+        if unwaited:
+            names = [self.cfg.layer_names[i] for i in unwaited[:3]]
+            log.warning(
+                "kvtier: vLLM ran the forward without waiting for the loads of %d layers (%s...); "
+                "those loads are recomputed and later loads are finished before the forward",
+                len(unwaited), ", ".join(names),
+            )  # fmt: skip
+            self._layered = False
+            self.counters.unwaited_layer_loads += 1
+        for job, failed in step.jobs:
+            if error is not None or unwaited:
+                failed = list(range(len(job.chunks)))
+            self._account_load(job, failed, step.started, step.loads.ended)
+            self._release(job.lease_id)
 
     def _fence(self) -> bool:
         """Wait for every copy issued so far; False when one of them failed."""
@@ -222,19 +312,37 @@ class WorkerSide:
             return False
         return True
 
+    def _hit_buf(self, job: LoadJob, chunk: ChunkLoad) -> memoryview | None:
+        """The arena bytes of a CPU-tier hit, or None when its slot is not in the mapped arena."""
+        if chunk.slot is None:
+            return None
+        return self._arena.view(job.instance_id, SlotRef(*chunk.slot))
+
     def _copy_in(self, buf: memoryview, first: int, block_ids: list[int]) -> bool:
         assert self.copier is not None
+        view = self._slot_view(buf)
+        if view is None:
+            return False
         try:
-            self.copier.load(
-                self.copier.slot_view(buf[: self.copier.chunk_bytes]), first, block_ids
-            )
+            self.copier.load(view, first, block_ids)
         except Exception as exc:
             log.warning("kvtier: load copy failed: %s", exc)
             return False
         return True
 
-    def _account_load(self, job: LoadJob, failed: list[int], started: float) -> None:
-        self.counters.load_seconds += time.monotonic() - started
+    def _slot_view(self, buf: memoryview) -> Any:
+        """The slot as the copier's tensor, or None (logged) when it cannot be one."""
+        assert self.copier is not None
+        try:
+            return self.copier.slot_view(buf[: self.copier.chunk_bytes])
+        except Exception as exc:
+            log.warning("kvtier: load copy failed: %s", exc)
+            return None
+
+    def _account_load(
+        self, job: LoadJob, failed: list[int], started: float, ended: float | None = None
+    ) -> None:
+        self.counters.load_seconds += (ended or time.monotonic()) - started
         ok = [c for i, c in enumerate(job.chunks) if i not in set(failed)]
         self.counters.loaded_chunks += len(ok)
         self.counters.loaded_tokens += (
@@ -277,6 +385,7 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """Hand this step's finished chunks to the copier, to be copied into their reserved slots and
         committed (after this returns when the copier defers saves)."""
+        self._finish_loads()  # before planning: nothing computed on a failed load is saved
         reserves, self._reserves = self._reserves, []
         deadline = time.monotonic() + self._save_wait
         batch: list[_SavedJob] = []
@@ -381,6 +490,7 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Requests whose held blocks are free to go, and async loads that completed."""
+        self._finish_loads()
         for req_id, pending in list(self._async.items()):
             if pending.future.done():
                 del self._async[req_id]
@@ -397,6 +507,7 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -415,6 +526,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Finish copies and unmap the arena."""
+        self._finish_loads()
         if self.copier is not None:
             self._fence()
             self.copier.close()

@@ -4,82 +4,13 @@ saves copied after wait_for_save returns never outlive the blocks they read."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from app.client import HelloReply, ReserveReply
-from app.settings import KVTierSettings
-from connector.config import ConnectorConfig
 from connector.metadata import KVTierMetadata, SaveJob
-from connector.planning import Geometry
 from connector.worker import WorkerSide
-from storage.arena import Arena
-from storage.base import NamespaceSpec, SlotRef
-
-NUM_BLOCKS, BLOCK, CHUNK, LAYERS = 16, 4, 8, 3
-
-
-def _done(value: Any) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_result(value)
-    return future
-
-
-class _Client:
-    """Just enough of ServiceClient for saves: reserve hands out arena slots, the rest is recorded."""
-
-    def __init__(self, arena: Arena, chunk_bytes: int) -> None:
-        self.arena, self.chunk_bytes = arena, chunk_bytes
-        self.connected, self.instance_id = True, "inst-1"
-        self.commits: list[tuple[list[bytes], list[SlotRef]]] = []
-        self.aborted: list[SlotRef] = []
-        self._next = 0
-
-    def hello(self, spec: NamespaceSpec) -> Future[HelloReply]:
-        return _done(HelloReply(self.instance_id, self.arena.info(), "ns", self.chunk_bytes))
-
-    def reserve(self, namespace: str, hashes: list[bytes]) -> Future[ReserveReply]:
-        slots = []
-        for _ in hashes:
-            slots.append(SlotRef(self._next, self.chunk_bytes))
-            self._next += self.chunk_bytes
-        return _done(ReserveReply(slots, self.instance_id))
-
-    def commit(
-        self, namespace: str, hashes: list[bytes], slots: list[SlotRef], instance: str
-    ) -> Future[None]:
-        self.commits.append((list(hashes), list(slots)))
-        return _done(None)
-
-    def abort(self, slots: list[SlotRef], instance: str) -> None:
-        self.aborted.extend(slots)
-
-    def release_nowait(self, lease_id: str) -> None:
-        pass
-
-
-@pytest.fixture
-def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("connector.worker.engine_cpus", lambda: frozenset({0, 1}))
-    kv = [torch.randn(NUM_BLOCKS, BLOCK, 2, 8).to(torch.bfloat16) for _ in range(LAYERS)]
-    page = kv[0][0].numel() * 2
-    spec = NamespaceSpec("m", "bfloat16", "NHD", BLOCK, CHUNK, LAYERS, page)
-    cfg = ConnectorConfig(
-        KVTierSettings(), Geometry(BLOCK, CHUNK), spec, "ns", "engine", NUM_BLOCKS,
-        tuple(f"layer{i}" for i in range(LAYERS)), "recompute", False,
-    )  # fmt: skip
-    chunk_bytes = LAYERS * (CHUNK // BLOCK) * page
-    arena = Arena.create(tmp_path, 8 * chunk_bytes, prefault=False)
-    client = _Client(arena, chunk_bytes)
-    worker = WorkerSide(cfg, client)  # type: ignore[arg-type]
-    worker.register_kv_caches({f"layer{i}": t for i, t in enumerate(kv)})
-    yield worker, client, kv, arena
-    worker.shutdown()
-    arena.close()
 
 
 def _step(worker: WorkerSide, saves: list[SaveJob]) -> None:
@@ -90,9 +21,9 @@ def _step(worker: WorkerSide, saves: list[SaveJob]) -> None:
 
 
 @pytest.fixture
-def gated(setup, monkeypatch):
-    """setup, with every save copy waiting for the returned event before it starts."""
-    worker, client, _, _ = setup
+def gated(arena_worker, monkeypatch):
+    """arena_worker, with every save copy waiting for the returned event before it starts."""
+    worker, client, _, _ = arena_worker
     copier = worker.copier
     assert copier is not None and copier.defers_saves
     gate = threading.Event()
@@ -107,8 +38,8 @@ def gated(setup, monkeypatch):
     gate.set()  # never leave the copy thread stuck for shutdown
 
 
-def test_saved_chunks_are_committed_with_their_blocks_bytes(setup) -> None:
-    worker, client, kv, arena = setup
+def test_saved_chunks_are_committed_with_their_blocks_bytes(arena_worker) -> None:
+    worker, client, kv, arena = arena_worker
     jobs = [SaveJob("r1", [b"a", b"b", b"c"], [[0, 1], [4, 5], [9, 2]])]
     _step(worker, jobs)
     assert [h for h, _ in client.commits] == [[b"a", b"b", b"c"]]
@@ -118,8 +49,10 @@ def test_saved_chunks_are_committed_with_their_blocks_bytes(setup) -> None:
     assert got == want and not client.aborted
 
 
-def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(setup, monkeypatch) -> None:
-    worker, client, _, _ = setup
+def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(
+    arena_worker, monkeypatch
+) -> None:
+    worker, client, _, _ = arena_worker
     copier = worker.copier
     assert copier is not None and copier.defers_saves  # the whole step's saves go to the copy thread
     real = copier._save_cpu
@@ -174,8 +107,8 @@ def test_held_requests_wait_for_the_saves_of_their_own_step_even_when_asked_firs
     assert worker.get_finished(set()) == ({"r1"}, set())
 
 
-def test_a_held_request_without_saves_in_flight_goes_at_once(setup) -> None:
-    worker, _, _, _ = setup
+def test_a_held_request_without_saves_in_flight_goes_at_once(arena_worker) -> None:
+    worker, _, _, _ = arena_worker
     worker.bind(KVTierMetadata(held=["r1"]))
     worker.wait_for_save()
     assert worker.get_finished(set()) == ({"r1"}, set())
@@ -199,8 +132,8 @@ def test_preemption_fences_deferred_saves(gated) -> None:
     assert fenced.is_set() and [h for h, _ in client.commits] == [[b"a"]]
 
 
-def test_a_save_the_copy_thread_refuses_gives_its_slots_back_without_raising(setup) -> None:
-    worker, client, _, _ = setup
+def test_a_save_the_copy_thread_refuses_gives_its_slots_back_without_raising(arena_worker) -> None:
+    worker, client, _, _ = arena_worker
     assert worker.copier is not None and worker.copier._helper is not None
     worker.copier._helper.close()  # as after shutdown: submit() raises CopyError
     worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])], held=["r1"]))

@@ -60,6 +60,7 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
     assert sched["external_tokens"] >= 4 * CHUNK
     assert work["loaded_tokens"] >= 4 * CHUNK
     assert work["failed_load_blocks"] == 0
+    assert work["unwaited_layer_loads"] == 0, "vLLM waited for every layer's loads before its attention"
     assert prom_loaded == work["loaded_tokens"]
     assert prom_tiers["cpu"] >= 4 * CHUNK and prom_tiers["disk"] == 0
 

@@ -1,0 +1,159 @@
+"""Worker loads of CPU-tier hits against a real arena: layer by layer, each attention layer waits only
+for its own layer; a forward that skips a wait gets its loads recomputed; failed loads are exact."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from storage.base import SlotRef
+from tests.connector.conftest import LAYERS
+
+LAYER_NAMES = [f"layer{i}" for i in range(LAYERS)]
+
+
+def _stored_slot(worker: Any, arena: Any, index: int) -> tuple[SlotRef, torch.Tensor]:
+    """A slot past the ones reserve hands out, filled with random bytes; its [layer, row, page] view."""
+    size = worker.copier.chunk_bytes
+    slot = SlotRef((7 - index) * size, size)
+    arena.view(slot)[:] = os.urandom(size)
+    return slot, worker.copier.slot_view(arena.view(slot))
+
+
+def _job(req: str, slot: SlotRef, blocks: list[int], instance: str = "inst-1") -> LoadJob:
+    chunk = ChunkLoad(0, 0, blocks, (slot.offset, slot.length))
+    return LoadJob(req, f"lease-{req}", [chunk], False, instance)
+
+
+def _layer_block(kv: list[torch.Tensor], layer: int, block: int) -> torch.Tensor:
+    return kv[layer][block].view(torch.uint8).flatten()
+
+
+def _start(worker: Any, meta: KVTierMetadata) -> None:
+    worker.bind(meta)
+    worker.start_load(meta)
+
+
+def test_each_layer_is_in_place_once_its_wait_returns_and_the_lease_ends_after_the_forward(
+    arena_worker, monkeypatch
+) -> None:
+    worker, client, kv, arena = arena_worker
+    slot, stored = _stored_slot(worker, arena, 0)
+    gate = threading.Event()
+    real = worker.copier._load_cpu
+
+    def layers_after_the_first_wait(lo: int, hi: int, *args: Any) -> None:
+        if lo >= 1:
+            assert gate.wait(10), "the test never opened the gate"
+        real(lo, hi, *args)
+
+    monkeypatch.setattr(worker.copier, "_load_cpu", layers_after_the_first_wait)
+    _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    worker.wait_for_layer_load("layer0")
+    assert torch.equal(_layer_block(kv, 0, 3), stored[0, 0]) and torch.equal(
+        _layer_block(kv, 0, 4), stored[0, 1]
+    )
+    assert not torch.equal(_layer_block(kv, 1, 3), stored[1, 0])  # layer 1 is still at the gate
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (worker.wait_for_layer_load("layer1"), waited.set()))
+    waiter.start()
+    assert not waited.wait(0.2), "layer 1's wait returned before its copy"
+    assert client.released == []  # the slot is still being read
+    gate.set()
+    waiter.join(10)
+    assert waited.is_set()
+    worker.wait_for_layer_load("layer2")
+    worker.wait_for_save()
+    for layer in range(LAYERS):
+        assert torch.equal(_layer_block(kv, layer, 3), stored[layer, 0])
+        assert torch.equal(_layer_block(kv, layer, 4), stored[layer, 1])
+    assert worker.take_load_errors() == set()
+    assert client.released == ["lease-r1"]
+    stats = worker.stats()
+    assert stats["loaded_chunks"] == 1 and stats["unwaited_layer_loads"] == 0
+
+
+def test_a_forward_that_skips_a_layer_wait_has_its_loads_recomputed_and_later_loads_fenced(
+    arena_worker,
+) -> None:
+    worker, client, kv, arena = arena_worker
+    slot, _ = _stored_slot(worker, arena, 0)
+    _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    worker.wait_for_layer_load("layer0")  # layers 1 and 2 never waited for (a replayed CUDA graph)
+    assert worker.get_finished(set()) == (set(), set())
+    assert worker.take_load_errors() == {3, 4}
+    worker.wait_for_save()
+    stats = worker.stats()
+    assert stats["unwaited_layer_loads"] == 1 and stats["failed_load_blocks"] == 2
+    assert stats["loaded_chunks"] == 0 and client.released == ["lease-r1"]
+
+    slot2, stored2 = _stored_slot(worker, arena, 1)
+    _start(worker, KVTierMetadata(loads=[_job("r2", slot2, [6])]))
+    # Fenced: every layer is in place when start_load returns, with no wait at all.
+    assert all(torch.equal(_layer_block(kv, layer, 6), stored2[layer, 0]) for layer in range(LAYERS))
+    assert client.released == ["lease-r1", "lease-r2"]
+    worker.wait_for_save()
+    assert worker.take_load_errors() == set() and worker.stats()["unwaited_layer_loads"] == 0
+
+
+def test_a_load_that_cannot_start_is_reported_exactly_and_its_request_saves_nothing_that_step(
+    arena_worker,
+) -> None:
+    worker, client, _, arena = arena_worker
+    good, _ = _stored_slot(worker, arena, 0)
+    stale, _ = _stored_slot(worker, arena, 1)
+    meta = KVTierMetadata(
+        loads=[_job("r1", good, [3]), _job("r2", stale, [5, 6], instance="gone")],
+        saves=[SaveJob("r2", [b"x"], [[7, 8]])],
+    )
+    _start(worker, meta)
+    for name in LAYER_NAMES:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    worker.copier.wait()
+    assert worker.take_load_errors() == {5, 6}  # the other instance's slot; r1 loaded
+    assert client.commits == [] and len(client.aborted) == 1  # nothing computed on r2's failed load
+    assert sorted(client.released) == ["lease-r1", "lease-r2"]
+
+
+def test_a_failed_layer_copy_fails_the_steps_loads_without_stalling_the_forward_or_later_fences(
+    arena_worker, monkeypatch
+) -> None:
+    worker, client, _, arena = arena_worker
+    slot, _ = _stored_slot(worker, arena, 0)
+    real = worker.copier._load_cpu
+
+    def broken(lo: int, hi: int, *args: Any) -> None:
+        if lo == 1:
+            raise MemoryError("simulated")
+        real(lo, hi, *args)
+
+    monkeypatch.setattr(worker.copier, "_load_cpu", broken)
+    _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    for name in LAYER_NAMES:
+        worker.wait_for_layer_load(name)  # returns: the failure releases every waiter
+    worker.wait_for_save()
+    assert worker.take_load_errors() == {3, 4}
+    assert client.released == ["lease-r1"]
+    worker.copier.wait()  # the load's error belongs to the load, not to the next fence
+    assert worker.stats()["unwaited_layer_loads"] == 0
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["one-thread", "copy-thread"])
+def test_copier_layer_loads_land_like_whole_chunk_loads(arena_worker, helper: bool) -> None:
+    worker, _, kv, arena = arena_worker
+    copier = worker.copier
+    if not helper:
+        copier._helper.close()
+        copier._helper = None
+    _, stored = _stored_slot(worker, arena, 0)
+    loads = copier.load_layers([(stored, 1, [9])])
+    for layer in range(LAYERS):
+        loads.wait_layer(layer)
+        assert torch.equal(_layer_block(kv, layer, 9), stored[layer, 1])
+    assert loads.finish() is None and loads.ended is not None
