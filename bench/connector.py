@@ -241,18 +241,28 @@ def _wait_drained(client: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- (b) scheduler share
-def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str, float]:
+# Every connector method vLLM's scheduler calls on its own thread while serving.
+SCHEDULER_HOOKS = (
+    "on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
+    "get_external_cache_hit_sources", "build_connector_meta", "request_finished",
+    "update_connector_output", "get_kv_connector_stats",
+)  # fmt: skip
+
+
+def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str, Any]:
     """Connector time on the scheduler thread with 256 running requests, vs vLLM's own schedule().
 
-    The numerator is every scheduler-side connector hook (those vLLM calls from update_from_output
-    included); the denominator is schedule() without the hooks it calls.
+    The numerator is every connector hook vLLM calls on its scheduler thread (from add_request and
+    update_from_output too, stats included); the denominator is schedule() without the hooks it
+    calls. ``hook_ms_per_step`` splits the numerator by hook.
     """
     from tests.e2e.engine_core import run_engine_core  # the same driver the tests use
 
     timers = {"connector": 0.0, "connector_in_schedule": 0.0, "schedule": 0.0, "steps": 0}
+    per_hook = dict.fromkeys(SCHEDULER_HOOKS, 0.0)
     inside = [False]
 
-    def hook(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def hook(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
@@ -260,6 +270,7 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
             finally:
                 spent = time.perf_counter() - start
                 timers["connector"] += spent
+                per_hook[name] += spent
                 if inside[0]:
                     timers["connector_in_schedule"] += spent
 
@@ -268,9 +279,8 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
     def instrument(core: Any) -> None:
         sched = core.scheduler
         conn = sched.connector
-        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                     "request_finished", "update_connector_output"):  # fmt: skip
-            setattr(conn, name, hook(getattr(conn, name)))
+        for name in SCHEDULER_HOOKS:
+            setattr(conn, name, hook(name, getattr(conn, name)))
         schedule = sched.schedule
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:
@@ -299,6 +309,9 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
         "schedule_ms_per_step": round(1000 * own / max(1, timers["steps"]), 3),
         "connector_ms_per_step": round(1000 * timers["connector"] / max(1, timers["steps"]), 3),
         "scheduler_overhead_fraction": round(timers["connector"] / max(own, 1e-9), 4),
+        "hook_ms_per_step": {
+            name: round(1000 * spent / max(1, timers["steps"]), 4) for name, spent in per_hook.items()
+        },
     }
 
 

@@ -235,8 +235,8 @@ class KVTierConnector(KVConnectorBase_V1):
         side = self._worker or self._sched
         if side is None:
             return None
-        stats = KVTierStats(data=side.stats())
-        return None if stats.is_empty() else stats
+        data = side.stats()
+        return KVTierStats(data=data) if any(data.values()) else None
 
     @classmethod
     def build_prom_metrics(

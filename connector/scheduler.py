@@ -104,12 +104,12 @@ class SchedulerSide:
         st.answer = None
         if self.client is None:
             return 0, False
-        hashes = chunk_hashes(request.block_hashes, self.geo)
-        if len(hashes) * self.geo.chunk_size <= num_computed_tokens:
+        num_chunks = len(request.block_hashes) // self._bpc
+        if num_chunks * self.geo.chunk_size <= num_computed_tokens:
             st.answer = _Answer(None, num_computed_tokens, 0)  # still an admission to count
             return 0, False
-        if st.lookup is None or st.lookup.num_chunks != len(hashes) or self._too_old(st.lookup):
-            st.lookup = self._start_lookup(st, hashes)
+        if st.lookup is None or st.lookup.num_chunks != num_chunks or self._too_old(st.lookup):
+            st.lookup = self._start_lookup(st, chunk_hashes(request.block_hashes, self.geo))
         lookup = st.lookup
         waited_from = time.monotonic()
         try:

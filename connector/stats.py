@@ -5,14 +5,26 @@ Counted per admission from fresh values, never decremented: no counter can go ne
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from storage.base import Tier
 
 
+class _Counts:
+    """A dataclass of plain numbers whose counts are handed out and zeroed in one step."""
+
+    def take(self) -> dict[str, Any]:
+        """The counts so far, then zero them."""
+        # Swapping the instance dict: vLLM asks every step, and dataclasses.asdict costs tens of
+        # microseconds of the scheduler's time for a dozen ints.
+        data = self.__dict__
+        self.__dict__ = {name: type(value)() for name, value in data.items()}
+        return data
+
+
 @dataclass
-class SchedulerCounters:
+class SchedulerCounters(_Counts):
     """Scheduler-side counts since the last report."""
 
     admissions: int = 0
@@ -48,16 +60,10 @@ class SchedulerCounters:
         self.lookup_count += 1
         self.lookup_seconds += max(0.0, seconds)
 
-    def take(self) -> dict[str, Any]:
-        """The counts so far, then zero them."""
-        data = asdict(self)
-        for f in fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
-        return data
 
 
 @dataclass
-class WorkerCounters:
+class WorkerCounters(_Counts):
     """Worker-side counts since the last report."""
 
     loaded_tokens: int = 0
@@ -72,12 +78,6 @@ class WorkerCounters:
     load_seconds: float = 0.0
     save_seconds: float = 0.0
 
-    def take(self) -> dict[str, Any]:
-        """The counts so far, then zero them."""
-        data = asdict(self)
-        for f in fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
-        return data
 
 
 def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
