@@ -204,7 +204,15 @@ class BlockCopier:
         return flat.view(self.num_layers, self.blocks_per_chunk, self.layout.page_bytes)
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        """Block ids as a device tensor for copies on the copy stream (CUDA only).
+
+        Made on the compute stream: call before the copy stream waits on it, so the copies see the
+        ids; record_stream keeps the allocator from reusing their memory before the copies end.
+        """
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if self._stream is not None:
+            ids.record_stream(self._stream)
+        return ids
 
     def save(self, slot: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copy the blocks (every layer) into the first ``len(block_ids)`` block rows of the slot."""
@@ -310,6 +318,8 @@ class BlockCopier:
             self._on_cpu(self._load_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), first)
             return
         ids = self._ids(block_ids)
+        if self._stream is not None:  # after the ids, and after anything vLLM did to the blocks
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_stream():
             for layer in range(self.num_layers):
                 self._load_layer_cuda(layer, slot, first, ids)
@@ -348,9 +358,10 @@ class BlockCopier:
         self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]
     ) -> LayerLoads:
         assert self._stream is not None
-        # vLLM may still be zeroing freshly allocated blocks on the compute stream: load after it.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ids = [(slot, first, self._ids(block_ids)) for slot, first, block_ids in chunks]
+        # vLLM may still be zeroing freshly allocated blocks on the compute stream: load after it
+        # (and after the ids above).
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         events = []
         with self._on_stream():
             for layer in range(self.num_layers):
