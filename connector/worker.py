@@ -139,6 +139,7 @@ class WorkerSide:
         self._hello: concurrent.futures.Future[HelloReply] | None = None
         self._save_wait = SAVE_WAIT_S
         self._layer_index = {name: i for i, name in enumerate(cfg.layer_names)}
+        self._all_layers = frozenset(self._layer_index.values())
         self._step_loads: _StepLoads | None = None
         self._layered = True  # until vLLM is seen to skip a wait_for_layer_load
         if client is not None:
@@ -221,27 +222,14 @@ class WorkerSide:
                 self._async[job.req_id] = _PendingLoad(job, future, time.monotonic())
         if not sync:
             return
-        if self._layered and self.copier is not None:
-            self._load_layered(sync)
-        else:
-            for job in sync:
-                self._load_sync(job)
-
-    def _load_sync(self, job: LoadJob) -> None:
-        started = time.monotonic()
-        failed = []
-        for i, chunk in enumerate(job.chunks):
-            buf = self._hit_buf(job, chunk)
-            if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
-                failed.append(i)
-        if not self._fence():
-            failed = list(range(len(job.chunks)))
-        self._account_load(job, failed, started)
-        self._release(job.lease_id)
+        self._load_layered(sync)
+        if not self._layered:  # vLLM skipped a layer wait before: finish before the forward
+            assert self._step_loads is not None
+            self._step_loads.waited = set(self._all_layers)
+            self._finish_loads()
 
     def _load_layered(self, jobs: list[LoadJob]) -> None:
         """Issue the step's sync loads layer by layer; the forward waits per layer."""
-        assert self.copier is not None
         started = time.monotonic()
         chunks: list[tuple[Any, int, list[int]]] = []
         planned: list[tuple[LoadJob, list[int]]] = []
@@ -249,7 +237,7 @@ class WorkerSide:
             failed = []
             for i, chunk in enumerate(job.chunks):
                 buf = self._hit_buf(job, chunk)
-                view = None if buf is None else self._slot_view(buf)
+                view = None if buf is None or self.copier is None else self._slot_view(buf)
                 if view is None:
                     failed.append(i)
                 else:
@@ -258,12 +246,13 @@ class WorkerSide:
         loads = LayerLoads()  # nothing issued: nothing for the forward to wait for
         try:
             if chunks:
+                assert self.copier is not None
                 loads = self.copier.load_layers(chunks)
         except Exception as exc:  # nothing was issued: all of it is a miss, recomputed
             log.warning("kvtier: load copy failed: %s", exc)
             planned = [(job, list(range(len(job.chunks)))) for job, _ in planned]
             chunks = []
-        waited = set() if chunks else set(range(len(self._layer_index)))
+        waited = set() if chunks else set(self._all_layers)
         self._step_loads = _StepLoads(loads, planned, started, waited)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -285,7 +274,7 @@ class WorkerSide:
         error = step.loads.finish()
         if error is not None:
             log.warning("kvtier: load copy failed: %s", error)
-        unwaited = sorted(set(range(len(self._layer_index))) - step.waited)
+        unwaited = sorted(self._all_layers - step.waited)
         if unwaited:
             names = [self.cfg.layer_names[i] for i in unwaited[:3]]
             log.warning(
