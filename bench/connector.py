@@ -7,16 +7,17 @@
     disk hit, Redis hit, miss with kvtier, and without kvtier, with the floor of a CPU hit
     (bytes loaded / memcpy bandwidth of as many cold bytes + TTFT of a one-token prompt in the same
     engine; ``ttft_cpu_hit_warm_floor_ratio`` uses a cache-warm memcpy instead).
-    ``ttft_miss_ratio`` is a miss with the default tiers (CPU + disk) against no kvtier, each pooled
-    over several engines started alternately; ``ttft_miss_ratio_all_tiers`` adds Redis, whose
-    write-through of every missed chunk competes for this machine's two cores with the next prefill.
-    Engines on this VM differ from one start to the next by far more than kvtier costs, so each
-    engine with kvtier pairs every miss with a fresh prompt run with kvtier bypassed (its scheduler
-    side answers "nothing to load or save"; the connector stays configured), in alternating order,
-    each sample started once the previous one's background work is done:
-    ``ttft_miss_same_engine_ratio`` (median over every pair of miss / bypassed) is kvtier's cost on the
-    miss's own critical path, free of the engine-to-engine spread; it leaves out vLLM's cost of having
-    a connector configured at all, and a miss's background work overlapping the next request.
+    ``ttft_miss_ratio`` is a miss with the default tiers (CPU + disk) against no kvtier. Engines
+    started one after another on this VM differ by up to 40% for the same prompts, and the VM drifts
+    over minutes, so the miss is measured on pairs of engines in processes of their own, one with
+    kvtier and one without, up side by side and sampled in turn (bench/engine_proc.py), with the
+    samples of 8 pairs pooled; every sample starts once the previous one's background work is done.
+    The engine with kvtier also runs fresh prompts with kvtier bypassed (its scheduler side answers
+    "nothing to load or save"; the connector stays configured): ``ttft_bypassed_ratio`` is vLLM's
+    cost of having a connector configured at all, and ``ttft_miss_same_engine_ratio`` (median over
+    every miss / bypassed pair) kvtier's own cost on a miss's critical path.
+    ``ttft_miss_ratio_all_tiers`` adds Redis, whose write-through of every missed chunk competes for
+    this machine's two cores with the next prefill.
 """
 
 from __future__ import annotations
@@ -328,15 +329,79 @@ def bench_scheduler_runs(model: str, tmp: Path, runs: int = SCHEDULER_RUNS) -> d
 
 
 # ------------------------------------------------------------------------------------------ (c) TTFT
-# Engines with kvtier for the miss figure, each between two without. Engine starts differ by up to
-# +-40% here (240 to 406 ms for the same prompts without kvtier in one run), so with 4 the pooled
-# ratio moved between 1.00 and 1.09 from run to run while the same-engine ratio stayed at 1.00-1.02.
-MISS_ROUNDS = 8
+# The miss figure: pairs of engines in processes of their own, one with kvtier and one without, up
+# side by side and sampled in turn (see bench/engine_proc.py). One pair's ratio still moves by +-15%
+# from one pair to the next (each engine start has its own speed on this VM), so it pools 8 pairs.
+MISS_PAIRS = 8
+MISS_SAMPLES = 9  # per case and pair
+MISS_CASES = ("off", "miss", "bypassed")
+
+
+def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+    """TTFT of fresh prompts without kvtier, with kvtier (a miss: looked up, computed, saved) and
+    with kvtier bypassed, on engines side by side; every sample starts once the previous one's
+    background work (the save copy, the service's disk writes) is done, whatever its case."""
+    from app.affinity import engine_cpus
+    from app.client import ServiceClient
+    from bench.engine_proc import EngineProcess
+    from tests.e2e.harness import make_prompt
+
+    cpus = engine_cpus()  # not the one core an in-process engine may have bound this thread to
+    seeds = iter(range(20_000, 1_000_000))
+    taken: dict[str, list[list[float]]] = {case: [] for case in MISS_CASES}
+    for pair in range(MISS_PAIRS):
+        # The tiers a user gets by default: CPU + disk, as embedded mode runs them.
+        with (
+            _service(tmp / f"default-{pair}", disk_path=tmp / f"disk-default-{pair}") as url,
+            ServiceClient(url) as client,
+            EngineProcess(model, None, engine, cpus) as off,
+            EngineProcess(model, _kv(url, chunk_size=256), engine, cpus) as on,
+        ):
+            off.wait_ready()
+            on.wait_ready()
+            runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
+            got: dict[str, list[float]] = {case: [] for case in MISS_CASES}
+            for i in range(MISS_SAMPLES):
+                # Each case goes first in turn, so none always follows the same other.
+                for case, engine_proc, bypass in runs[i % 3 :] + runs[: i % 3]:
+                    _quiesce(client)
+                    got[case].append(engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass))
+            for case in MISS_CASES:
+                taken[case].append(got[case])
+
+    def pooled(case: str) -> float:
+        return statistics.median(t for samples in taken[case] for t in samples)
+
+    def per_pair(case: str) -> list[float]:
+        return [statistics.median(samples) for samples in taken[case]]
+
+    ratios = [m / o for m, o in zip(per_pair("miss"), per_pair("off"), strict=True)]
+    same_engine = [
+        m / b
+        for ms, bs in zip(taken["miss"], taken["bypassed"], strict=True)
+        for m, b in zip(ms, bs, strict=True)
+    ]
+    return {
+        "miss_pairs": MISS_PAIRS,
+        "miss_samples_per_pair": MISS_SAMPLES,
+        "ttft_off_ms": 1000 * pooled("off"),
+        "ttft_miss_fresh_ms": 1000 * pooled("miss"),
+        "ttft_bypassed_ms": 1000 * pooled("bypassed"),
+        # Each pair's own medians, in the order they ran, to show the spread between engines.
+        "ttft_off_ms_per_engine": [round(1000 * t, 2) for t in per_pair("off")],
+        "ttft_miss_ms_per_engine": [round(1000 * t, 2) for t in per_pair("miss")],
+        "ttft_bypassed_ms_per_engine": [round(1000 * t, 2) for t in per_pair("bypassed")],
+        "ttft_miss_ratio": round(pooled("miss") / pooled("off"), 3),
+        "ttft_miss_ratio_per_pair": [round(r, 3) for r in ratios],
+        "ttft_miss_ratio_geomean": round(float(np.exp(np.mean(np.log(ratios)))), 3),
+        "ttft_bypassed_ratio": round(pooled("bypassed") / pooled("off"), 3),
+        "ttft_miss_same_engine_ratio": round(statistics.median(same_engine), 3),
+    }
 
 
 def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: int = 5) -> dict[str, Any]:
     """TTFT (prefill + first token) per case, medians over `repeat` distinct prompts (the miss and
-    its reference over several engines).
+    its reference over several pairs of engines, see bench_miss).
 
     The prompt is whole chunks plus one token, so a full hit leaves exactly one token to compute, as
     the floor assumes.
@@ -349,62 +414,11 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     prompts = [make_prompt(9000 + i, prompt_tokens) for i in range(repeat)]
     fresh_all = [make_prompt(9700 + i, prompt_tokens) for i in range(repeat)]
 
-    def samples(llm: Any, batch: list[list[int]]) -> list[float]:
-        return [_median_time(lambda p=p: generate(llm, [p], 1), 1) for p in batch]
-
     def ttft(llm: Any, batch: list[list[int]]) -> float:
-        return statistics.median(samples(llm, batch))
+        return statistics.median(_median_time(lambda p=p: generate(llm, [p], 1), 1) for p in batch)
 
-    def without_kvtier() -> list[float]:
-        with running_engine(model, **engine) as llm:
-            generate(llm, [make_prompt(1, 64)], 1)  # warm up
-            return samples(llm, prompts)
-
-    def with_kvtier(round_: int) -> tuple[list[float], list[float]]:
-        # A miss with the tiers a user gets by default (CPU + disk, as embedded mode runs them), each
-        # paired with a fresh prompt run with kvtier bypassed, in alternating order (this VM drifts
-        # within an engine too), the previous sample's background work done before each sample.
-        from app.client import ServiceClient
-
-        pairs = 3 * repeat
-        fresh = iter(make_prompt(9500 + 100 * round_ + i, prompt_tokens) for i in range(2 * pairs))
-        missed: list[float] = []
-        bypassed: list[float] = []
-        with (
-            _service(tmp / f"default-{round_}", disk_path=tmp / f"disk-default-{round_}") as url,
-            running_engine(model, _kv(url, chunk_size=256), **engine) as llm,
-            ServiceClient(url) as client,
-        ):
-            generate(llm, [make_prompt(2, 64)], 1)
-            for pair in range(pairs):
-                for bypass in (pair % 2 == 1, pair % 2 == 0):
-                    _quiesce(client)
-                    prompt = next(fresh)
-                    if bypass:
-                        with _kvtier_bypassed(llm):
-                            bypassed += samples(llm, [prompt])
-                    else:
-                        missed += samples(llm, [prompt])
-        return missed, bypassed
-
+    miss = bench_miss(model, tmp, engine, prompt_tokens)
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens}
-    # One engine start differs from the next by up to +-40% on this VM while each engine is steady, so
-    # the miss and its reference are pooled over engines started alternately: off, on, off, ..., off.
-    offs, misses, bypasses = [without_kvtier()], [], []
-    for round_ in range(MISS_ROUNDS):
-        missed, bypassed = with_kvtier(round_)
-        misses.append(missed)
-        bypasses.append(bypassed)
-        offs.append(without_kvtier())
-    out["ttft_off_ms"] = statistics.median(t for taken in offs for t in taken)
-    out["ttft_miss_fresh_ms"] = statistics.median(t for taken in misses for t in taken)
-    # Each engine's own median, in the order they ran, to show the spread between engines.
-    out["ttft_off_ms_per_engine"] = [round(1000 * statistics.median(t), 2) for t in offs]
-    out["ttft_miss_ms_per_engine"] = [round(1000 * statistics.median(t), 2) for t in misses]
-    out["ttft_bypassed_ms_per_engine"] = [round(1000 * statistics.median(t), 2) for t in bypasses]
-    # Pair by pair (a miss and the bypassed prompt run next to it), so slow drift cancels out.
-    paired = [[m / b for m, b in zip(ms, bs, strict=True)] for ms, bs in zip(misses, bypasses, strict=True)]
-    out["ttft_miss_same_engine_ratio_per_engine"] = [round(statistics.median(r), 3) for r in paired]
     with _redis(tmp) as redis_url:
         settings: dict[str, Any] = {"disk_path": tmp / "disk"}
         if redis_url:
@@ -442,10 +456,9 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     warm_floor_ms = kv_bytes / (bench_copy(3)["memcpy_gbps"] * 1e9) * 1000 + out["ttft_one_token_ms"] * 1000
     out["cold_memcpy_gbps"] = memcpy
     out = {k: (round(v * 1000, 2) if k.endswith("_ms") else v) for k, v in out.items()}
+    out.update({k: (round(v, 2) if k.endswith("_ms") else v) for k, v in miss.items()})
     out["kv_bytes_loaded"] = kv_bytes
     out["cpu_hit_floor_ms"] = round(floor_ms, 2)
-    out["ttft_miss_ratio"] = round(out["ttft_miss_fresh_ms"] / out["ttft_off_ms"], 3)
-    out["ttft_miss_same_engine_ratio"] = round(statistics.median(r for rs in paired for r in rs), 3)
     if "ttft_miss_fresh_all_tiers_ms" in out:
         out["ttft_miss_ratio_all_tiers"] = round(out["ttft_miss_fresh_all_tiers_ms"] / out["ttft_off_ms"], 3)
     out["ttft_cpu_hit_floor_ratio"] = round(out["ttft_cpu_hit_ms"] / floor_ms, 3)

@@ -1,0 +1,107 @@
+"""A vLLM engine in a process of its own that times one prompt at a time on request.
+
+Two of these, one with kvtier and one without, stay up side by side and take turns, so a comparison
+between them is not skewed by this VM drifting over time: engines started one after another on it
+differ by up to 40% for the same prompts, while two engines sampled in turn see the same drift.
+Only one of them computes at a time; the other waits in ``Connection.recv``, using no CPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import traceback
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any
+
+# A start loads vLLM and builds the engine; several minutes means it is stuck.
+START_TIMEOUT_S = 600.0
+SAMPLE_TIMEOUT_S = 300.0
+
+
+def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
+           cpus: frozenset[int]) -> None:  # fmt: skip
+    """The child: start the engine, then answer ("ttft", prompt, bypass) with seconds until None."""
+    try:
+        from app.affinity import run_on
+
+        run_on(cpus)  # the parent may already be bound to one core by an in-process engine
+        from bench.connector import _kvtier_bypassed
+        from tests.e2e.harness import generate, make_prompt, running_engine
+
+        with running_engine(model, kv_config, **engine) as llm:
+            generate(llm, [make_prompt(2, 64)], 1)  # warm up
+            conn.send(("ready", None))
+            while (request := conn.recv()) is not None:
+                _, prompt, bypass = request
+                start = time.perf_counter()
+                if bypass:
+                    with _kvtier_bypassed(llm):
+                        generate(llm, [prompt], 1)
+                else:
+                    generate(llm, [prompt], 1)
+                conn.send(("ttft", time.perf_counter() - start))
+    except BaseException:  # reported to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class EngineProcess:
+    """An engine started in a spawned child; ``ttft(prompt)`` times one prompt there (prefill + one
+    token). Use it as a context manager: the child is shut down and reaped on every path."""
+
+    def __init__(self, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
+                 cpus: frozenset[int]) -> None:  # fmt: skip
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, model, kv_config, engine, cpus), daemon=True)
+        self._proc.start()
+        child.close()
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the engine has started and warmed up (several can start at once)."""
+        if not self._ready:
+            self._answer(START_TIMEOUT_S)
+            self._ready = True
+
+    def _answer(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"engine process {self._proc.pid} did not answer within {timeout:.0f} s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(10)
+            code = self._proc.exitcode
+            raise RuntimeError(f"engine process {self._proc.pid} died (exit code {code})") from None
+        if kind == "error":
+            raise RuntimeError(f"engine process failed:\n{value}")
+        return value
+
+    def ttft(self, prompt: list[int], bypass: bool = False) -> float:
+        """Seconds to prefill prompt and return its first token; bypass: kvtier answers "nothing"."""
+        self.wait_ready()
+        self._conn.send(("ttft", prompt, bypass))
+        return float(self._answer(SAMPLE_TIMEOUT_S))
+
+    def close(self) -> None:
+        """Shut the engine down and reap the child (killed if it does not exit in time)."""
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(60)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(10)
+        self._conn.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        self.close()
