@@ -9,6 +9,7 @@ Only one of them computes at a time; the other waits in ``Connection.recv``, usi
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -24,6 +25,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
            cpus: frozenset[int]) -> None:  # fmt: skip
     """The child: start the engine, then answer ("ttft", prompt, bypass) with seconds until None."""
     try:
+        os.dup2(2, 1)  # vLLM logs to stdout: keep the parent's stdout (its --json output) clean
         from app.affinity import run_on
 
         run_on(cpus)  # the parent may already be bound to one core by an in-process engine
