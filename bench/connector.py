@@ -475,6 +475,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-ttft", action="store_true", help="only the copy and scheduler parts")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM logs to stdout unless told otherwise; --json promises one JSON object there.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from bench.models import BENCH, TINY, build_model
 
     result: dict[str, Any] = {"copy": bench_copy()}
