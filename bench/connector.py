@@ -206,29 +206,6 @@ def _kv(url: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _kvtier_bypassed(llm: Any) -> Iterator[None]:
-    """kvtier's scheduler side answers "nothing to load, nothing to save" while inside: the engine
-    keeps its connector configured, so only kvtier's own work is left out."""
-    from connector.metadata import KVTierMetadata
-    from tests.e2e.introspect import scheduler_connector
-
-    conn = scheduler_connector(llm)
-    stand_ins = {
-        "get_num_new_matched_tokens": lambda request, num_computed_tokens: (0, False),
-        "update_state_after_alloc": lambda request, blocks, num_external_tokens: None,
-        "build_connector_meta": lambda scheduler_output: KVTierMetadata(),
-        "request_finished": lambda request, block_ids: (False, None),
-    }
-    for name, fn in stand_ins.items():
-        setattr(conn, name, fn)  # instance attributes shadow the methods
-    try:
-        yield
-    finally:
-        for name in stand_ins:
-            delattr(conn, name)
-
-
 def _quiesce(client: Any) -> None:
     """Let the last sample's deferred save copy end and the service's write queue drain."""
     time.sleep(0.1)

@@ -8,10 +8,12 @@ Only one of them computes at a time; the other waits in ``Connection.recv``, usi
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -19,6 +21,29 @@ from typing import Any
 # A start loads vLLM and builds the engine; several minutes means it is stuck.
 START_TIMEOUT_S = 600.0
 SAMPLE_TIMEOUT_S = 300.0
+
+
+@contextlib.contextmanager
+def kvtier_bypassed(llm: Any) -> Iterator[None]:
+    """kvtier's scheduler side answers "nothing to load, nothing to save" while inside: the engine
+    keeps its connector configured, so only kvtier's own work is left out."""
+    from connector.metadata import KVTierMetadata
+    from tests.e2e.introspect import scheduler_connector
+
+    conn = scheduler_connector(llm)
+    stand_ins = {
+        "get_num_new_matched_tokens": lambda request, num_computed_tokens: (0, False),
+        "update_state_after_alloc": lambda request, blocks, num_external_tokens: None,
+        "build_connector_meta": lambda scheduler_output: KVTierMetadata(),
+        "request_finished": lambda request, block_ids: (False, None),
+    }
+    for name, fn in stand_ins.items():
+        setattr(conn, name, fn)  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        for name in stand_ins:
+            delattr(conn, name)
 
 
 def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
@@ -29,7 +54,6 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
         from app.affinity import run_on
 
         run_on(cpus)  # the parent may already be bound to one core by an in-process engine
-        from bench.connector import _kvtier_bypassed
         from tests.e2e.harness import generate, make_prompt, running_engine
 
         with running_engine(model, kv_config, **engine) as llm:
@@ -39,7 +63,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
                 _, prompt, bypass = request
                 start = time.perf_counter()
                 if bypass:
-                    with _kvtier_bypassed(llm):
+                    with kvtier_bypassed(llm):
                         generate(llm, [prompt], 1)
                 else:
                     generate(llm, [prompt], 1)

@@ -20,8 +20,8 @@ class _Counts:
         # dataclasses.asdict costs tens of microseconds of the scheduler's time for a dozen ints.
         data = self.__dict__
         zero = _ZEROS.get(type(self))
-        if zero is None:
-            zero = _ZEROS[type(self)] = {name: type(value)() for name, value in data.items()}
+        if zero is None:  # a fresh instance's fields: every count at its zero default
+            zero = _ZEROS[type(self)] = dict(vars(type(self)()))
         self.__dict__ = zero.copy()
         return data
 
@@ -67,7 +67,6 @@ class SchedulerCounters(_Counts):
         self.lookup_seconds += max(0.0, seconds)
 
 
-
 @dataclass
 class WorkerCounters(_Counts):
     """Worker-side counts since the last report."""
@@ -83,7 +82,6 @@ class WorkerCounters(_Counts):
     unwaited_layer_loads: int = 0  # steps whose forward skipped a wait_for_layer_load
     load_seconds: float = 0.0
     save_seconds: float = 0.0
-
 
 
 def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -332,7 +332,8 @@ class WorkerSide:
         self, job: LoadJob, failed: list[int], started: float, ended: float | None = None
     ) -> None:
         self.counters.load_seconds += (ended or time.monotonic()) - started
-        ok = [c for i, c in enumerate(job.chunks) if i not in set(failed)]
+        bad = set(failed)
+        ok = [c for i, c in enumerate(job.chunks) if i not in bad]
         self.counters.loaded_chunks += len(ok)
         self.counters.loaded_tokens += (
             sum(len(c.block_ids) for c in ok) * self.cfg.geometry.block_size
