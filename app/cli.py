@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "storage": ("bench.storage", "tier throughput against memcpy, file I/O and redis-py"),
     "service": ("bench.service", "service round trips against a bare unix-socket echo"),
     "connector": ("bench.connector", "TTFT with kvtier hits against recompute"),
+    "gpu": ("bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
 }
 
 

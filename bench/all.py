@@ -31,6 +31,7 @@ HEADLINES = [
     ("connector", "scheduler_overhead_fraction", 0.10, False),
     ("connector", "ttft_miss_ratio", 1.05, False),
     ("connector", "ttft_cpu_hit_floor_ratio", 2.0, False),
+    ("gpu", "copy_ratio", 0.9, True),  # only where a CUDA device is
 ]
 
 
@@ -48,8 +49,8 @@ def _quiet(fn: Any, *args: Any) -> Any:
 
 
 def run_all(skip_ttft: bool = False) -> dict[str, Any]:
-    """Run the storage, service and connector benchmarks; return {section: figures}."""
-    from bench import connector, service, storage
+    """Run the storage, service, connector and GPU copy benchmarks; return {section: figures}."""
+    from bench import connector, gpu_copy, service, storage
 
     results: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print("storage ...", flush=True)
@@ -58,6 +59,8 @@ def run_all(skip_ttft: bool = False) -> dict[str, Any]:
     results["service"] = service.measure(8, 625, 2, "256MiB")
     print("connector ...", flush=True)
     results["connector"] = _quiet(connector.run, ["--skip-ttft"] if skip_ttft else [])
+    print("gpu ...", flush=True)
+    results["gpu"] = gpu_copy.measure()
     return results
 
 

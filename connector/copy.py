@@ -10,15 +10,16 @@ consecutive blocks: memcpy speed, where torch's uint8 ``index_copy_`` crawls at 
 no temporary. With ``helper_cpus`` a ``CopyThread`` copies every second chunk of a step while the
 caller copies the others (numpy drops the GIL inside large copies), so ``save``/``load`` may return
 before their bytes are in place. On CUDA the arena is registered as pinned host memory and
-copies run on a side stream. Either way ``wait()`` is the fence.
+``connector.copy_cuda`` moves chunks through a staging ring on streams of its own. Either way
+``wait()`` is the fence.
 
-``save_batch`` is the worker's save path: with a copy thread, a whole step's save copies run there
-after the caller returns, and a callback learns their outcome (see ``save_batch`` for why).
+``save_batch`` is the worker's save path: with a copy thread (CPU) or on CUDA, a whole step's save
+copies run after the caller returns, and a callback learns their outcome (see ``save_batch`` for why).
 ``load_layers`` is the load path for hits the forward uses at once: it copies layer by layer (every
 chunk's layer 0, then layer 1, ...) behind the caller's back and answers with a ``LayerLoads`` whose
 ``wait_layer(i)`` returns once layers 0..i are in place, so attention of early layers overlaps the
-loads of later ones (CPU: on the copy thread; CUDA: one event per layer on the side stream, and the
-compute stream waits on it without blocking the host).
+loads of later ones (CPU: on the copy thread; CUDA: one event per layer piece, and the compute
+stream waits on it without blocking the host).
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from connector.copy_thread import CopyThread
+
+if TYPE_CHECKING:
+    from connector.copy_cuda import CudaCopier
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +183,17 @@ class BlockCopier:
         self.device = kv_caches[0].device
         self.num_layers = len(self.layers)
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._gpu: CudaCopier | None = None
+        # CUDA: a thread that waits for each save batch's copies to end and then reports them.
+        self._save_waiter: CopyThread | None = None
+        if self._cuda:
+            from connector.copy_cuda import CudaCopier, CudaLayoutError
+
+            try:
+                self._gpu = CudaCopier(self.layers, blocks_per_chunk, num_blocks)
+            except CudaLayoutError as exc:
+                raise LayoutError(str(exc)) from exc
+            self._save_waiter = CopyThread(helper_cpus, name="kvtier-cuda-saves")
         # CPU: numpy views sharing the KV tensors' memory (see the module docstring for why).
         self._np_layers = [] if self._cuda else [[p.numpy() for p in planes] for planes in self.layers]
         # A second CPU thread pays off only with a second CPU to run it.
@@ -203,41 +218,17 @@ class BlockCopier:
             raise LayoutError(f"slot has {flat.numel()} bytes, a chunk needs {self.chunk_bytes}")
         return flat.view(self.num_layers, self.blocks_per_chunk, self.layout.page_bytes)
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Block ids as a device tensor for copies on the copy stream (CUDA only).
-
-        Made on the compute stream: call before the copy stream waits on it, so the copies see the
-        ids; record_stream keeps the allocator from reusing their memory before the copies end.
-        """
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        if self._stream is not None:
-            ids.record_stream(self._stream)
-        return ids
-
     def save(self, slot: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copy the blocks (every layer) into the first ``len(block_ids)`` block rows of the slot."""
-        n = len(block_ids)
-        if not self._cuda:
-            self._on_cpu(self._save_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), 0)
+        if self._gpu is not None:
+            self._gpu.save([(slot, block_ids)])
             return
-        ids = self._ids(block_ids)
-        if self._stream is not None:
-            # The forward wrote these blocks on the compute stream; copy only after it.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._on_stream():
-            for layer, planes in enumerate(self.layers):
-                dest = slot[layer, :n]
-                offset = 0
-                for plane in planes:
-                    width = plane.shape[1]
-                    rows = plane.index_select(0, ids)
-                    dest[:, offset : offset + width].copy_(rows, non_blocking=self._cuda)
-                    offset += width
+        self._on_cpu(self._save_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), 0)
 
     @property
     def defers_saves(self) -> bool:
-        """True when save_batch() copies on the copy thread, after it returns."""
-        return self._helper is not None
+        """True when save_batch() returns before its copies end (copy thread, or CUDA)."""
+        return self._helper is not None or self._save_waiter is not None
 
     def save_batch(
         self,
@@ -250,9 +241,17 @@ class BlockCopier:
         this returns at once: a step's saves then cost its forward nothing (a miss's first token
         no longer waits for the copy of its prompt), and wait() still fences them. The caller
         must keep the blocks unchanged until then (the worker fences before any block is reused).
-        Without one (one CPU, or CUDA, whose copies are asynchronous already) they run here,
-        fenced, and done() is called before this returns.
+        On CUDA the copies are issued here and a waiter thread calls done() once they end.
+        On one CPU they run here, fenced, and done() is called before this returns.
         """
+        if self._gpu is not None and self._save_waiter is not None:
+            try:
+                ended = self._gpu.save(chunks)
+            except Exception as exc:  # nothing issued after the failure; what was, ends unread
+                _report(done, exc)
+                return
+            self._save_waiter.submit(_await_save, ended, done)
+            return
         if self._helper is None:
             error: BaseException | None = None
             try:
@@ -314,15 +313,10 @@ class BlockCopier:
 
     def load(self, slot: torch.Tensor, first: int, block_ids: Sequence[int]) -> None:
         """Copy slot block rows ``[first, first + len(block_ids))`` of every layer into the blocks."""
-        if not self._cuda:
-            self._on_cpu(self._load_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), first)
+        if self._gpu is not None:
+            self._gpu.load([(slot, first, block_ids)])
             return
-        ids = self._ids(block_ids)
-        if self._stream is not None:  # after the ids, and after anything vLLM did to the blocks
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._on_stream():
-            for layer in range(self.num_layers):
-                self._load_layer_cuda(layer, slot, first, ids)
+        self._on_cpu(self._load_cpu, slot.numpy(), block_runs([int(b) for b in block_ids]), first)
 
     def load_layers(self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> LayerLoads:
         """Start loading each (slot, first slot row, block ids) as load() would, layer by layer.
@@ -331,8 +325,8 @@ class BlockCopier:
         The caller must keep the slots mapped and the blocks unread by anything but the forward's
         waited-for layers until finish() (or wait()) returns.
         """
-        if self._cuda:
-            return self._load_layers_cuda(chunks)
+        if self._gpu is not None:
+            return _CudaLayerLoads(self._gpu.load(chunks), self.device)
         work = [(slot.numpy(), first, block_runs([int(b) for b in ids])) for slot, first, ids in chunks]
         progress = _CpuLayerLoads(self.num_layers)
         if self._helper is None:
@@ -354,51 +348,20 @@ class BlockCopier:
         except Exception as exc:
             progress.fail(exc)
 
-    def _load_layers_cuda(
-        self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]
-    ) -> LayerLoads:
-        assert self._stream is not None
-        ids = [(slot, first, self._ids(block_ids)) for slot, first, block_ids in chunks]
-        # vLLM may still be zeroing freshly allocated blocks on the compute stream: load after it
-        # (and after the ids above).
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        events = []
-        with self._on_stream():
-            for layer in range(self.num_layers):
-                for slot, first, block_ids in ids:
-                    self._load_layer_cuda(layer, slot, first, block_ids)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                events.append(event)
-        return _CudaLayerLoads(events, self.device)
-
-    def _load_layer_cuda(self, layer: int, slot: torch.Tensor, first: int, ids: torch.Tensor) -> None:
-        planes = self.layers[layer]
-        src = slot[layer, first : first + len(ids)].to(self.device, non_blocking=True)
-        offset = 0
-        for plane in planes:
-            width = plane.shape[1]
-            part = src if len(planes) == 1 else src[:, offset : offset + width]
-            plane.index_copy_(0, ids, part)
-            offset += width
-
     def wait(self) -> None:
         """Block until every copy issued so far has finished; CopyError if a CPU copy failed."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self._gpu is not None:
+            self._gpu.synchronize()
         self._turn = 0
-        if self._helper is not None:
-            self._helper.wait()
+        for thread in (self._helper, self._save_waiter):
+            if thread is not None:
+                thread.wait()
 
     def close(self) -> None:
         """Finish pending copies and stop the copy thread (if any); safe to call twice."""
-        if self._helper is not None:
-            self._helper.close()
-
-    def _on_stream(self):  # type: ignore[no-untyped-def]
-        if self._stream is None:
-            return _NullContext()
-        return torch.cuda.stream(self._stream)
+        for thread in (self._helper, self._save_waiter):
+            if thread is not None:
+                thread.close()
 
 
 def _report(done: Callable[[BaseException | None], object], error: BaseException | None) -> None:
@@ -408,12 +371,15 @@ def _report(done: Callable[[BaseException | None], object], error: BaseException
         log.exception("kvtier: save completion callback failed")
 
 
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _await_save(ended: torch.cuda.Event, done: Callable[[BaseException | None], object]) -> None:
+    """Report a CUDA save batch once its copies have ended (save waiter thread; the GIL is free
+    while it waits). Never raises: done() gets the error."""
+    error: BaseException | None = None
+    try:
+        ended.synchronize()
+    except Exception as exc:
+        error = exc
+    _report(done, error)
 
 
 def pin_host_buffer(buf: memoryview) -> bool:

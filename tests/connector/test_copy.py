@@ -1,13 +1,43 @@
-"""Block copies between KV tensors and slot buffers keep every byte, in both layouts."""
+"""Block copies between KV tensors and slot buffers keep every byte, in both layouts, on the CPU and
+(where a CUDA device is present) between GPU KV tensors and pinned host slots."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from connector.copy import BlockCopier, LayoutError, block_planes, block_runs
+from connector.copy import (
+    BlockCopier,
+    LayoutError,
+    block_planes,
+    block_runs,
+    pin_host_buffer,
+    unpin_host_buffer,
+)
 
 NUM_BLOCKS = 12
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+
+
+@pytest.fixture
+def slot_bytes() -> Iterator:
+    """Slot buffers as the worker has them: host memory, registered as pinned where CUDA is."""
+    pinned: list[bytearray] = []
+
+    def make(nbytes: int) -> bytearray:
+        buf = bytearray(nbytes)
+        if pin_host_buffer(memoryview(buf)):
+            pinned.append(buf)
+        return buf
+
+    yield make
+    for buf in pinned:
+        unpin_host_buffer(memoryview(buf))
 
 
 def _kv_cpu(seed: int) -> torch.Tensor:
@@ -23,12 +53,13 @@ def _kv_split(seed: int) -> torch.Tensor:
 TWO_CPUS = frozenset({0, 1})  # a copy thread beside the caller's (the binding is best effort)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("helper_cpus", [None, TWO_CPUS], ids=["one-thread", "copy-thread"])
 @pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
-def test_save_then_load_restores_blocks(make, helper_cpus) -> None:
-    src_layers = [make(1), make(2), make(3)]
+def test_save_then_load_restores_blocks(make, helper_cpus, device, slot_bytes) -> None:
+    src_layers = [make(1).to(device), make(2).to(device), make(3).to(device)]
     copier = BlockCopier(src_layers, NUM_BLOCKS, blocks_per_chunk=4, helper_cpus=helper_cpus)
-    buf = bytearray(copier.chunk_bytes)
+    buf = slot_bytes(copier.chunk_bytes)
     slot = copier.slot_view(buf)
     copier.save(slot, [5, 2, 9, 7])
     copier.wait()
@@ -52,18 +83,19 @@ def test_block_runs_split_ids_where_they_stop_being_consecutive() -> None:
     assert block_runs([3, 3, 4]) == [(0, 3, 1), (1, 3, 2)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("helper_cpus", [None, TWO_CPUS], ids=["one-thread", "copy-thread"])
 @pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
-def test_runs_of_consecutive_blocks_copy_like_single_blocks(make, helper_cpus) -> None:
-    src_layers = [make(4), make(5)]
+def test_runs_of_consecutive_blocks_copy_like_single_blocks(make, helper_cpus, device, slot_bytes) -> None:
+    src_layers = [make(4).to(device), make(5).to(device)]
     saved = [1, 2, 3, 7, 8, 0]
     copier = BlockCopier(src_layers, NUM_BLOCKS, blocks_per_chunk=len(saved), helper_cpus=helper_cpus)
-    buf = bytearray(copier.chunk_bytes)
+    buf = slot_bytes(copier.chunk_bytes)
     copier.save(copier.slot_view(buf), saved)
     copier.wait()
     one_by_one = bytearray(copier.chunk_bytes)
     for j, block in enumerate(saved):  # block j alone lands in row j of every layer
-        row = bytearray(copier.chunk_bytes)
+        row = slot_bytes(copier.chunk_bytes)
         copier.save(copier.slot_view(row), [block] * len(saved))
         copier.wait()
         page = copier.layout.page_bytes
@@ -84,14 +116,81 @@ def test_runs_of_consecutive_blocks_copy_like_single_blocks(make, helper_cpus) -
             assert torch.equal(src.select(bdim, s_id), dst.select(bdim, d_id))
 
 
-def test_slot_layout_is_layer_block_page() -> None:
-    layers = [_kv_cpu(7), _kv_cpu(8)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_layout_is_layer_block_page(device, slot_bytes) -> None:
+    layers = [_kv_cpu(7).to(device), _kv_cpu(8).to(device)]
     copier = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=2)
-    buf = bytearray(copier.chunk_bytes)
+    buf = slot_bytes(copier.chunk_bytes)
     copier.save(copier.slot_view(buf), [3, 10])
+    copier.wait()
     page = copier.layout.page_bytes
-    assert bytes(buf[page : 2 * page]) == layers[0][10].view(torch.uint8).numpy().tobytes()
-    assert bytes(buf[2 * page : 3 * page]) == layers[1][3].view(torch.uint8).numpy().tobytes()
+    assert bytes(buf[page : 2 * page]) == layers[0][10].view(torch.uint8).cpu().numpy().tobytes()
+    assert bytes(buf[2 * page : 3 * page]) == layers[1][3].view(torch.uint8).cpu().numpy().tobytes()
+    copier.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
+def test_a_save_batch_reports_once_its_bytes_are_in_the_slots(make, device, slot_bytes) -> None:
+    layers = [make(21).to(device), make(22).to(device)]
+    copier = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS)
+    chunks = [[4, 5, 6], [11, 0, 7]]
+    bufs = [slot_bytes(copier.chunk_bytes) for _ in chunks]
+    seen: list[tuple[BaseException | None, list[bytes]]] = []
+    copier.save_batch(
+        [(copier.slot_view(buf), ids) for buf, ids in zip(bufs, chunks, strict=True)],
+        lambda error: seen.append((error, [bytes(buf) for buf in bufs])),  # the bytes done() sees
+    )
+    copier.wait()
+    copier.close()
+    assert len(seen) == 1 and seen[0][0] is None
+    page = copier.layout.page_bytes
+    for buf, ids, at_done in zip(bufs, chunks, seen[0][1], strict=True):
+        assert bytes(buf) == at_done
+        for layer, kv in enumerate(layers):
+            for j, block in enumerate(ids):
+                planes = block_planes(kv, NUM_BLOCKS)
+                want = b"".join(p[block].cpu().numpy().tobytes() for p in planes)
+                at = (layer * len(ids) + j) * page
+                assert bytes(buf[at : at + page]) == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
+def test_layer_by_layer_loads_are_in_place_once_each_layer_is_waited_for(make, device, slot_bytes) -> None:
+    src = [make(30 + i).to(device) for i in range(5)]
+    saver = BlockCopier(src, NUM_BLOCKS, blocks_per_chunk=4)
+    chunks = [[0, 1, 2, 3], [8, 6, 4, 2]]
+    bufs = [slot_bytes(saver.chunk_bytes) for _ in chunks]
+    for buf, ids in zip(bufs, chunks, strict=True):
+        saver.save(saver.slot_view(buf), ids)
+    saver.wait()
+    dst = [torch.zeros_like(t) for t in src]
+    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=4, helper_cpus=TWO_CPUS)
+    targets = [[11, 10, 9], [5, 7, 3]]
+    loads = loader.load_layers(
+        [(loader.slot_view(bufs[0]), 1, targets[0]), (loader.slot_view(bufs[1]), 0, targets[1])]
+    )
+    bdim = 0 if src[0].shape[0] == NUM_BLOCKS else 1
+    for layer in range(len(dst)):
+        loads.wait_layer(layer)  # CUDA: orders the current stream, which then reads the layer
+        got = [dst[layer].select(bdim, b).clone() for b in targets[0] + targets[1]]
+        want = [src[layer].select(bdim, b) for b in chunks[0][1:] + chunks[1][:3]]
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert loads.finish() is None
+    for layer in range(len(dst)):  # blocks no chunk loaded stay untouched
+        assert not dst[layer].select(bdim, 0).any() and not dst[layer].select(bdim, 1).any()
+    saver.close()
+    loader.close()
+
+
+def test_block_ids_past_the_cache_are_refused_before_any_copy() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    copier = BlockCopier([_kv_split(1).to("cuda")], NUM_BLOCKS, blocks_per_chunk=2)
+    with pytest.raises(ValueError, match="out of range"):
+        copier.save(copier.slot_view(bytearray(copier.chunk_bytes)), [3, NUM_BLOCKS])
+    copier.close()
 
 
 def test_bad_layouts_are_refused() -> None:
