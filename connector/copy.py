@@ -24,6 +24,7 @@ stream waits on it without blocking the host).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -383,12 +384,25 @@ def _await_save(ended: torch.cuda.Event, done: Callable[[BaseException | None], 
 
 
 def pin_host_buffer(buf: memoryview) -> bool:
-    """Register a host buffer (the arena mapping) as pinned memory for DMA; False without CUDA."""
+    """Register a host buffer (the arena mapping) as pinned memory for DMA; False without CUDA or
+    when CUDA refuses (the copies then run from pageable memory: correct, slower)."""
     if not torch.cuda.is_available():
         return False
     tensor = torch.frombuffer(buf, dtype=torch.uint8)
-    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-    return int(result) == 0
+    result = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0))
+    if result == 0:
+        return True
+    # The runtime keeps a failed call's error for the next launch check, where one of vLLM's own
+    # kernels would raise it (seen on an H100: "CUDA error: invalid argument" from the next op).
+    # A launch here takes it instead.
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")
+    log.warning(
+        "kvtier: cannot pin the arena for DMA (CUDA error %d; a file outside tmpfs cannot be pinned, "
+        "keep shm_dir on tmpfs such as /dev/shm); copies run from pageable memory, slower",
+        result,
+    )
+    return False
 
 
 def unpin_host_buffer(buf: memoryview) -> None:

@@ -227,3 +227,15 @@ def test_chunks_copied_between_fences_land_the_same_with_the_copy_thread(make) -
             assert torch.equal(src.select(bdim, block), dst.select(bdim, block)) == copied
     for copier in (plain, threaded, loader):
         copier.close()
+
+
+def test_an_arena_cuda_refuses_to_pin_leaves_no_error_for_the_next_kernel() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    buf = bytearray(1 << 20)
+    assert pin_host_buffer(memoryview(buf))
+    try:
+        assert not pin_host_buffer(memoryview(buf))  # registered already: CUDA refuses
+        assert float(torch.ones(4, device="cuda").sum()) == 4.0  # no stale error raised here
+    finally:
+        unpin_host_buffer(memoryview(buf))
