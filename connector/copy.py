@@ -248,7 +248,7 @@ class BlockCopier:
         if self._gpu is not None and self._save_waiter is not None:
             try:
                 ended = self._gpu.save(chunks)
-            except Exception as exc:  # nothing issued after the failure; what was, ends unread
+            except Exception as exc:  # save() left no copy of the batch running
                 _report(done, exc)
                 return
             self._save_waiter.submit(_await_save, ended, done)

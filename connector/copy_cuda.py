@@ -19,7 +19,8 @@ Who owns what: a ``CudaCopier`` owns its two streams, its staging ring and its e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -99,7 +100,30 @@ class CudaCopier:
         return range(0, self.num_layers, self.layers_per_piece)
 
     def save(self, chunks: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> torch.cuda.Event:
-        """Copy each (slot, block ids) into the slot's first rows; an event that fires when done."""
+        """Copy each (slot, block ids) into the slot's first rows; an event that fires when done.
+        If it raises, nothing it issued is still running."""
+        with self._drained_on_error():
+            return self._save(chunks)
+
+    def load(self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> list[torch.cuda.Event]:
+        """Copy each (slot, first row, block ids) into the blocks, layer piece by layer piece; one
+        event per layer, recorded once that layer of every chunk is in place. If it raises, nothing
+        it issued is still running."""
+        with self._drained_on_error():
+            return self._load(chunks)
+
+    @contextlib.contextmanager
+    def _drained_on_error(self) -> Iterator[None]:
+        # The caller gives the slots back (or lets the forward recompute the blocks) once a call
+        # fails: a copy still queued would then write into memory that is no longer ours.
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.synchronize()
+            raise
+
+    def _save(self, chunks: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> torch.cuda.Event:
         # The forward wrote these blocks on the compute stream: gather only after it.
         self._kernels.wait_stream(torch.cuda.current_stream(self.device))
         ids = self._upload_ids([block_ids for _, block_ids in chunks])
@@ -122,9 +146,7 @@ class CudaCopier:
         done.record(self._dma)
         return done
 
-    def load(self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> list[torch.cuda.Event]:
-        """Copy each (slot, first row, block ids) into the blocks, layer piece by layer piece; one
-        event per layer, recorded once that layer of every chunk is in place."""
+    def _load(self, chunks: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> list[torch.cuda.Event]:
         # vLLM may still be writing freshly allocated blocks on the compute stream: scatter after it.
         self._kernels.wait_stream(torch.cuda.current_stream(self.device))
         ids = self._upload_ids([block_ids for _, _, block_ids in chunks])

@@ -239,3 +239,30 @@ def test_an_arena_cuda_refuses_to_pin_leaves_no_error_for_the_next_kernel() -> N
         assert float(torch.ones(4, device="cuda").sum()) == 4.0  # no stale error raised here
     finally:
         unpin_host_buffer(memoryview(buf))
+
+
+def test_a_cuda_save_that_fails_midway_reports_it_with_nothing_left_running(monkeypatch, slot_bytes) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import connector.copy_cuda as copy_cuda
+
+    monkeypatch.setattr(copy_cuda, "PIECE_BYTES", 1)  # one layer per piece: several pieces per chunk
+    layers = [_kv_split(40 + i).to("cuda") for i in range(4)]
+    copier = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=2)
+    real, calls = copy_cuda.stage_blocks, []
+
+    def second_fails(*args, **kwargs) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kernel launch failed")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(copy_cuda, "stage_blocks", second_fails)
+    seen: list[BaseException | None] = []
+    torch.cuda._sleep(200_000_000)  # the forward still running: the first piece's copies queue behind it
+    slot = copier.slot_view(slot_bytes(copier.chunk_bytes))  # pinned: the DMA does not block the host
+    copier.save_batch([(slot, [1, 2])], seen.append)
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
+    gpu = copier._gpu
+    assert gpu is not None and gpu._kernels.query() and gpu._dma.query()  # nothing still queued
+    copier.close()
