@@ -74,8 +74,7 @@ class CudaCopier:
         """Compile the kernel now, not inside vLLM's first step (a Triton build takes seconds):
         each piece of block 0 goes to the stage and back, unchanged."""
         ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        for lo in self._pieces():
-            hi = min(self.num_layers, lo + self.layers_per_piece)
+        for lo, hi in self._pieces():
             stage = self._stage(0, hi - lo, rows)
             for to_stage in (True, False):
                 stage_blocks(self._table, ids, stage, lo, hi - lo, self.planes, self.row_bytes, to_stage)
@@ -96,8 +95,10 @@ class CudaCopier:
             at += len(block_ids)
         return out
 
-    def _pieces(self) -> range:
-        return range(0, self.num_layers, self.layers_per_piece)
+    def _pieces(self) -> list[tuple[int, int]]:
+        """Layer ranges [lo, hi) of the pieces a chunk moves in."""
+        step = self.layers_per_piece
+        return [(lo, min(self.num_layers, lo + step)) for lo in range(0, self.num_layers, step)]
 
     def save(self, chunks: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> torch.cuda.Event:
         """Copy each (slot, block ids) into the slot's first rows; an event that fires when done.
@@ -128,8 +129,7 @@ class CudaCopier:
         self._kernels.wait_stream(torch.cuda.current_stream(self.device))
         ids = self._upload_ids([block_ids for _, block_ids in chunks])
         for (slot, _), chunk_ids in zip(chunks, ids, strict=True):
-            for lo in self._pieces():
-                hi = min(self.num_layers, lo + self.layers_per_piece)
+            for lo, hi in self._pieces():
                 k = self._next()
                 stage = self._stage(k, hi - lo, chunk_ids.numel())
                 with torch.cuda.stream(self._kernels):
@@ -151,8 +151,7 @@ class CudaCopier:
         self._kernels.wait_stream(torch.cuda.current_stream(self.device))
         ids = self._upload_ids([block_ids for _, _, block_ids in chunks])
         events: list[torch.cuda.Event] = []
-        for lo in self._pieces():
-            hi = min(self.num_layers, lo + self.layers_per_piece)
+        for lo, hi in self._pieces():
             for (slot, first, _), chunk_ids in zip(chunks, ids, strict=True):
                 n = chunk_ids.numel()
                 k = self._next()
