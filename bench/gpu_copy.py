@@ -93,10 +93,7 @@ def _run(copier: Any, kv: list[Any], host: Any, chunks: int, rounds: int, num_bl
     slots = [host[c * chunk_bytes : (c + 1) * chunk_bytes].view(shape) for c in range(chunks)]
     device_buf = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device=dev)
     stream = torch.cuda.Stream()
-    planes = [t.view(torch.uint8).view(2, num_blocks, -1) for t in kv]
-    restored = [torch.zeros_like(t) for t in kv]
-    loader = type(copier)(restored, num_blocks, bpc)
-    restored_planes = [t.view(torch.uint8).view(2, num_blocks, -1) for t in restored]
+    loader = type(copier)([torch.zeros_like(t) for t in kv], num_blocks, bpc)
 
     def ref(to_host: bool) -> None:
         with torch.cuda.stream(stream):
@@ -140,16 +137,15 @@ def _run(copier: Any, kv: list[Any], host: Any, chunks: int, rounds: int, num_bl
             raise RuntimeError(f"save failed: {errors}")
         for slot, ids in zip(slots, id_lists, strict=True):
             index = torch.tensor(ids, device=dev)
-            want = torch.stack(
-                [p.index_select(1, index).transpose(0, 1).reshape(len(ids), -1) for p in planes]
-            )
+            # a slot row of a layer: the block's row in every plane, side by side
+            want = torch.stack([torch.cat([p[index] for p in planes], dim=1) for planes in copier.layers])
             if not torch.equal(slot.to(dev), want):
                 raise RuntimeError(f"{name}: a saved chunk differs from its blocks")
         load()
         for ids in id_lists:
             index = torch.tensor(ids, device=dev)
-            for a, b in zip(planes, restored_planes, strict=True):
-                if not torch.equal(a.index_select(1, index), b.index_select(1, index)):
+            for saved, restored in zip(copier.layers, loader.layers, strict=True):
+                if not all(torch.equal(a[index], b[index]) for a, b in zip(saved, restored, strict=True)):
                     raise RuntimeError(f"{name}: a loaded block differs from the saved one")
         best = {"save": float("inf"), "load": float("inf"), "d2h": float("inf"), "h2d": float("inf")}
         for _ in range(rounds):

@@ -183,29 +183,31 @@ class BlockCopier:
         self.blocks_per_chunk = blocks_per_chunk
         self.device = kv_caches[0].device
         self.num_layers = len(self.layers)
-        self._cuda = self.device.type == "cuda"
         self._gpu: CudaCopier | None = None
-        # CUDA: a thread that waits for each save batch's copies to end and then reports them.
-        self._save_waiter: CopyThread | None = None
-        if self._cuda:
+        # The copier's thread for work that ends after the caller returns. CPU: every second
+        # chunk's copy, which pays off only with a second CPU to run it. CUDA: waiting for each
+        # save batch's copies to end, then reporting them.
+        self._helper: CopyThread | None = None
+        self._np_layers: list[list[np.ndarray]] = []
+        if self.device.type == "cuda":
             from connector.copy_cuda import CudaCopier, CudaLayoutError
 
             try:
                 self._gpu = CudaCopier(self.layers, blocks_per_chunk, num_blocks)
             except CudaLayoutError as exc:
                 raise LayoutError(str(exc)) from exc
-            self._save_waiter = CopyThread(helper_cpus, name="kvtier-cuda-saves")
-        # CPU: numpy views sharing the KV tensors' memory (see the module docstring for why).
-        self._np_layers = [] if self._cuda else [[p.numpy() for p in planes] for planes in self.layers]
-        # A second CPU thread pays off only with a second CPU to run it.
-        two = helper_cpus is not None and len(helper_cpus) > 1
-        self._helper = CopyThread(helper_cpus) if two and not self._cuda else None
+            self._helper = CopyThread(helper_cpus, name="kvtier-cuda-saves")
+        else:
+            # numpy views sharing the KV tensors' memory (see the module docstring for why).
+            self._np_layers = [[p.numpy() for p in planes] for planes in self.layers]
+            if helper_cpus is not None and len(helper_cpus) > 1:
+                self._helper = CopyThread(helper_cpus)
         self._turn = 0  # chunks copied since the last fence
 
     @property
     def cpu_threads(self) -> int:
-        """Threads a CPU copy runs on: 2 with the copy thread, else 1."""
-        return 1 if self._helper is None else 2
+        """Threads a CPU copy runs on: 2 with the copy thread, else 1 (and 1 on CUDA)."""
+        return 1 if self._helper is None or self._gpu is not None else 2
 
     @property
     def chunk_bytes(self) -> int:
@@ -229,7 +231,7 @@ class BlockCopier:
     @property
     def defers_saves(self) -> bool:
         """True when save_batch() returns before its copies end (copy thread, or CUDA)."""
-        return self._helper is not None or self._save_waiter is not None
+        return self._helper is not None
 
     def save_batch(
         self,
@@ -245,13 +247,13 @@ class BlockCopier:
         On CUDA the copies are issued here and a waiter thread calls done() once they end.
         On one CPU they run here, fenced, and done() is called before this returns.
         """
-        if self._gpu is not None and self._save_waiter is not None:
+        if self._gpu is not None and self._helper is not None:
             try:
                 ended = self._gpu.save(chunks)
             except Exception as exc:  # save() left no copy of the batch running
                 _report(done, exc)
                 return
-            self._save_waiter.submit(_await_save, ended, done)
+            self._helper.submit(_await_save, ended, done)
             return
         if self._helper is None:
             error: BaseException | None = None
@@ -354,15 +356,13 @@ class BlockCopier:
         if self._gpu is not None:
             self._gpu.synchronize()
         self._turn = 0
-        for thread in (self._helper, self._save_waiter):
-            if thread is not None:
-                thread.wait()
+        if self._helper is not None:
+            self._helper.wait()
 
     def close(self) -> None:
         """Finish pending copies and stop the copy thread (if any); safe to call twice."""
-        for thread in (self._helper, self._save_waiter):
-            if thread is not None:
-                thread.close()
+        if self._helper is not None:
+            self._helper.close()
 
 
 def _report(done: Callable[[BaseException | None], object], error: BaseException | None) -> None:
