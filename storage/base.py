@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import NamedTuple, Protocol, overload, runtime_checkable
 
-BLOB_FORMAT_VERSION = 1
+# 2: the payload checksum is taken over segments (codec.SEGMENT), so readers verify on several threads.
+BLOB_FORMAT_VERSION = 2
 
 
 class Tier(enum.IntEnum):

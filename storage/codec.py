@@ -8,7 +8,7 @@ Layout, little-endian::
         flags            u16  0 (reserved; a reader rejects anything else)
         key echo length  u32
         payload length   u64
-        payload checksum u64  xxh3_64 of the payload
+        payload checksum u64  checksum() of the payload: see SEGMENT
         header checksum  u64  xxh3_64 of the 28 bytes above plus the key echo
     key echo             keys.key_echo(key)
     payload              raw bytes
@@ -21,6 +21,7 @@ straight into its destination buffer and verify it there (no intermediate copy).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -60,21 +61,65 @@ class BlobHeader:
         return self.size + self.payload_len
 
 
-# From this size on checksum() goes through the hasher object, whose update() releases the GIL while it
-# hashes (python-xxhash's one-shot functions hold it): a few microseconds more, but other threads run.
+# The payload checksum is xxh3_64 of the payload's segment digests: every SEGMENT bytes (the last
+# segment may be shorter) hashed with xxh3_64, the digests packed as little-endian u64s in order. One
+# xxh3 stream cannot be split between threads; segments can, so a reader verifies the parts of a payload
+# on whichever threads read them (the disk tier reads a chunk on two cores at once).
+SEGMENT = 256 << 10
+# From this size on a segment is hashed through the hasher object, whose update() releases the GIL
+# while it hashes (python-xxhash's one-shot functions hold it): a few microseconds more, but other
+# threads run.
 _RELEASE_GIL_FROM = 1 << 16
 
 
+def segment_digest(segment: Buffer) -> int:
+    """xxh3_64 of one segment of a payload; large ones are hashed without holding the GIL."""
+    if memoryview(segment).nbytes < _RELEASE_GIL_FROM:
+        return int(xxhash.xxh3_64_intdigest(segment))
+    return int(xxhash.xxh3_64(segment).intdigest())
+
+
+def combine(digests: Sequence[int]) -> int:
+    """The payload checksum from the digests of its segments, in order."""
+    return int(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests)))
+
+
 def checksum(payload: Buffer) -> int:
-    """xxh3_64 of a buffer; large ones are hashed without holding the GIL."""
-    if memoryview(payload).nbytes < _RELEASE_GIL_FROM:
-        return int(xxhash.xxh3_64_intdigest(payload))
-    return int(xxhash.xxh3_64(payload).intdigest())
+    """The payload checksum the header carries (xxh3_64 over the segments' xxh3_64 digests)."""
+    view = memoryview(payload).cast("B")
+    return combine([segment_digest(view[i : i + SEGMENT]) for i in range(0, view.nbytes, SEGMENT)])
 
 
-def payload_hasher() -> xxhash.xxh3_64:
-    """checksum() in parts: update() with each part in order, then intdigest(); releases the GIL."""
-    return xxhash.xxh3_64()
+class PayloadHasher:
+    """checksum() of a payload fed in order, in parts of any size (e.g. as they arrive off a socket)."""
+
+    __slots__ = ("_digests", "_filled", "_hasher")
+
+    def __init__(self) -> None:
+        self._digests: list[int] = []
+        self._hasher = xxhash.xxh3_64()
+        self._filled = 0  # bytes of the current segment fed so far
+
+    def update(self, part: Buffer) -> None:
+        """Feed the next bytes of the payload."""
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            piece = view[: SEGMENT - self._filled]
+            view = view[piece.nbytes :]
+            if not self._filled and piece.nbytes == SEGMENT:
+                self._digests.append(segment_digest(piece))  # a whole segment in one part
+                continue
+            self._hasher.update(piece)
+            self._filled += piece.nbytes
+            if self._filled == SEGMENT:
+                self._digests.append(int(self._hasher.intdigest()))
+                self._hasher.reset()
+                self._filled = 0
+
+    def intdigest(self) -> int:
+        """The checksum of everything fed so far."""
+        tail = [int(self._hasher.intdigest())] if self._filled else []
+        return combine(self._digests + tail)
 
 
 def header_size(key: ChunkKey) -> int:

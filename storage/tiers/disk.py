@@ -13,10 +13,10 @@ one call; a get reads and verifies in one call; a put's bookkeeping runs in the 
 job. A page-cache read or write is a memory copy, about as fast as the checksum, so each call splits
 its work with its I/O thread's companion (``Handoff``): a put writes a blank header and the payload
 while the companion checksums the payload, then writes the real header over the blank (the file is
-still a temp file nobody reads); a get has the companion read the tail of the payload straight into
-the caller's buffer while the worker reads the head in segments, checksumming each as it lands, then
-checksums the tail. The checksum is one xxh3 stream fed in order, so the blob format is unchanged. A
-companion that is late (both cores busy) leaves the worker to do its part itself.
+still a temp file nobody reads); a get reads the payload's checksum segments (``codec.SEGMENT``) from
+both ends at once, the worker from the front (with the header) and the companion from the back, each
+hashing a segment as soon as it lands, while it is in that core's cache. A companion is offered only
+while a core is spare (``companion``), and one that is late leaves the worker to do everything itself.
 
 Pins and deletes: pinned keys are never evicted. ``delete`` of a pinned key hides it from
 ``contains_many`` at once but keeps serving ``get_into`` to the lease that pinned it; the file goes when
@@ -44,21 +44,12 @@ from storage import codec
 from storage.base import BlobError, ChunkKey, Tier, TierStats
 from storage.keys import disk_relpath, parse_disk_relpath
 from storage.tiers.pins import PinBook
-from storage.tiers.threads import Handoff, IOThreads, Job, companion
+from storage.tiers.threads import Handoff, IOThreads, Job, TwoEnds, companion
 
 log = logging.getLogger("kvtier.disk")
 T = TypeVar("T")
 TEMP_PREFIX = ".tmp-"
 _IO_THREADS = 4
-# How a get splits its payload: the worker reads the first WORKER_SHARE in SEGMENT-sized reads and
-# checksums each as it lands, while its companion reads the rest in TAIL_PIECES reads, which the
-# worker checksums in turn as they land. The worker does all the checksumming, so it reads the
-# smaller share. Few, large reads on the companion's side because each one takes the GIL back, and
-# a thread that finds the GIL taken sleeps: waking it costs 50-100 us on this VM. Measured here
-# (2-32 MiB chunks, shares 0.15-1.0, 1-6 pieces): 0.3 and 3 were the best, by a noisy margin.
-SEGMENT = 256 << 10
-WORKER_SHARE = 0.3
-TAIL_PIECES = 3
 
 
 def _find_fallocate() -> Callable[[int, int, int, int], int] | None:
@@ -176,9 +167,6 @@ class DiskTier:
     """LowerTier over a directory of blob files; every failure is a counted miss, never an exception."""
 
     tier = Tier.DISK
-    segment = SEGMENT
-    worker_share = WORKER_SHARE
-    tail_pieces = TAIL_PIECES
 
     def __init__(self, settings: KVTierSettings, io: DiskIO | None = None) -> None:
         if not settings.disk_path:
@@ -477,61 +465,52 @@ class DiskTier:
         fd = self.io.open_read(self.path_of(key))
         try:
             hsize = codec.header_size(key)
-            split = self._split(dest.nbytes)
-            lane = companion()
-            # Offered in order: the companion reads the first piece while this thread reads the header.
-            tail = [
-                Handoff(self._read_part, fd, dest, a, b, hsize).offer(lane)
-                for a, b in self._tail(split, dest.nbytes)
-            ]
+            count = -(-dest.nbytes // codec.SEGMENT)
+            digests = [0] * count
+            segments = TwoEnds(count)
+            first = segments.front()  # 0, read with the header (None for an empty payload)
+            back = Handoff(self._read_segments, fd, dest, segments.back, digests, hsize)
+            back.offer(companion())
             try:
-                header, digest = self._read_and_hash(fd, key, dest, split, tail)
+                header = self._read_head(fd, key, dest, first, digests)
+                self._read_segments(fd, dest, segments.front, digests, hsize)
+                back.result()  # the companion's segments, or any it left, read here
             finally:
-                for piece in tail:  # the companion may be reading into dest: the caller gets it back after
-                    piece.settle()
-            if digest != header.checksum:
+                segments.close()  # on an error, the companion takes no more segments
+                back.settle()  # it may be reading into dest: the caller gets it back after
+            if codec.combine(digests) != header.checksum:
                 raise BlobError("payload checksum mismatch")
         finally:
             self.io.close(fd)
 
-    def _read_and_hash(
-        self, fd: int, key: ChunkKey, dest: memoryview, split: int, tail: list[Handoff[None]]
-    ) -> tuple[codec.BlobHeader, int]:
-        """Read and check the header, read dest[:split] hashing as it lands, then hash the tail."""
+    def _read_head(
+        self, fd: int, key: ChunkKey, dest: memoryview, first: int | None, digests: list[int]
+    ) -> codec.BlobHeader:
+        """Read and check the header, with segment first in the same system call, and hash that."""
         hsize = codec.header_size(key)
         head = memoryview(bytearray(hsize))
-        first = min(split, self.segment)
-        # The header and the first segment in one system call, so a small chunk costs one read.
-        got = self._read_vec(fd, self._with_end([head, dest[:first]], first, dest), 0)
+        end = 0 if first is None else min(dest.nbytes, codec.SEGMENT)
+        got = self._read_vec(fd, self._with_end([head, dest[:end]], end, dest), 0)
         header = codec.parse_header(head[: min(got, hsize)], key)
         self._check_length(fd, header, dest)
-        if got != hsize + first:
+        if got != hsize + end:
             raise BlobError(f"file has {got} of {header.blob_size} bytes or more")
-        hasher = codec.payload_hasher()
-        hasher.update(dest[:first])
-        for start in range(first, split, self.segment):
-            end = min(split, start + self.segment)
+        if first is not None:
+            digests[first] = codec.segment_digest(dest[:end])
+        return header
+
+    def _read_segments(
+        self, fd: int, dest: memoryview, take: Callable[[], int | None], digests: list[int], hsize: int
+    ) -> None:
+        """Read and hash the segments take() hands out until none is left (worker or companion)."""
+        while (i := take()) is not None:
+            start = i * codec.SEGMENT
+            end = min(dest.nbytes, start + codec.SEGMENT)
             self._read_part(fd, dest, start, end, hsize)
-            hasher.update(dest[start:end])
-        for (start, end), piece in zip(self._tail(split, dest.nbytes), tail, strict=True):
-            piece.result()  # read by the companion, or here if it has not started on it
-            hasher.update(dest[start:end])
-        return header, int(hasher.intdigest())
-
-    def _tail(self, split: int, size: int) -> list[tuple[int, int]]:
-        """(start, end) of the pieces of dest[split:size] the companion reads, in order."""
-        if split >= size:
-            return []
-        step = -(-(size - split) // self.tail_pieces)
-        return [(start, min(size, start + step)) for start in range(split, size, step)]
-
-    def _split(self, size: int) -> int:
-        """Where the worker's share of a payload of size bytes ends (the companion reads the rest)."""
-        split = max(self.segment, round(size * self.worker_share))
-        return size if size - split < self.segment else split  # too little to wake the companion for
+            digests[i] = codec.segment_digest(dest[start:end])
 
     def _read_part(self, fd: int, dest: memoryview, start: int, end: int, hsize: int) -> None:
-        """Read dest[start:end] from the file (worker or companion); a short read is corruption."""
+        """Read dest[start:end] from the file; a short read is corruption."""
         got = self._read_vec(fd, self._with_end([dest[start:end]], end, dest), hsize + start)
         if got != end - start:  # fewer: truncated; more: the byte past the end exists
             raise BlobError(f"file has {hsize + start + got} of {hsize + dest.nbytes} bytes or more")

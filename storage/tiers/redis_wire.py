@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import xxhash
 from redis.asyncio.connection import parse_url
 
 from storage import codec
@@ -108,26 +107,6 @@ def pack_command(*args: bytes) -> bytes:
 
 def _getrange(rkey: bytes, start: int, n: int) -> bytes:
     return pack_command(b"GETRANGE", rkey, b"%d" % start, b"%d" % (start + n - 1))
-
-
-def _streaming_is_codec_checksum() -> bool:
-    """True when xxh3_64 fed in parts equals codec.checksum, so slices can be hashed as they land."""
-    probe = bytes(range(256)) * 20
-    hasher = xxhash.xxh3_64(probe[:1000])
-    hasher.update(probe[1000:])
-    return hasher.intdigest() == codec.checksum(probe)
-
-
-# Should codec change its checksum, slices are verified after the fact instead of all read as corrupt.
-_HASH_WHILE_RECEIVING = _streaming_is_codec_checksum()
-
-
-def _verifies(header: codec.BlobHeader, payload: memoryview) -> bool:
-    try:
-        codec.verify_payload(header, payload)
-    except BlobError:
-        return False
-    return True
 
 
 def _refusal(line: bytes, what: str = "") -> ServerReplyError:
@@ -325,7 +304,7 @@ class RawConnection:
         if not isinstance(header, codec.BlobHeader):
             self._skip_replies(sent)
             return header if exists else GetOutcome.MISS
-        hasher = xxhash.xxh3_64() if _HASH_WHILE_RECEIVING else None
+        hasher = codec.PayloadHasher()
         for i, off in enumerate(offsets):
             if sent < len(slices):  # keep the window full: ask for the next slice before reading
                 self._send([memoryview(slices[sent])])
@@ -337,9 +316,8 @@ class RawConnection:
                 return None
             self._read_into(part)
             self._expect_crlf()
-            if hasher is not None:
-                hasher.update(part)  # while the slice is still in cache: ~10% less CPU per GET
-        intact = _verifies(header, dest) if hasher is None else hasher.intdigest() == header.checksum
+            hasher.update(part)  # while the slice is still in cache: ~10% less CPU per GET
+        intact = hasher.intdigest() == header.checksum
         if intact:
             return GetOutcome.HIT
         return GetOutcome.CORRUPT if atomic else None

@@ -71,9 +71,24 @@ _worker = threading.local()
 
 
 def companion() -> Lane | None:
-    """The lane paired with the IOThreads worker running this code; None on any other thread."""
+    """The lane paired with the IOThreads worker running this code, if a core is spare for it.
+
+    None on any other thread, and while the pool runs as many jobs as there are cores: each job then
+    has a core of its own already, and a companion would only make threads take turns on them.
+    """
     lane: Lane | None = getattr(_worker, "lane", None)
+    pool: IOThreads | None = getattr(_worker, "pool", None)
+    if pool is None or pool.running >= pool.cores:
+        return None
     return lane
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class Lane:
@@ -162,6 +177,42 @@ class Handoff(Generic[T]):
         if not self._claim.acquire(blocking=False):
             wait_released(self._running)
         self._call = None  # let go of the caller's buffer, even while the lane still holds this
+
+
+class TwoEnds:
+    """Indices 0..count-1 handed out once each, from the front to one thread and the back to another.
+
+    A worker and its companion split a job this way without deciding the split beforehand: whoever
+    starts late or runs slow simply takes fewer.
+    """
+
+    __slots__ = ("_back", "_front", "_lock")
+
+    def __init__(self, count: int) -> None:
+        self._lock = threading.Lock()
+        self._front = 0
+        self._back = count
+
+    def front(self) -> int | None:
+        """The lowest index not yet taken; None when all are."""
+        with self._lock:
+            if self._front >= self._back:
+                return None
+            self._front += 1
+            return self._front - 1
+
+    def back(self) -> int | None:
+        """The highest index not yet taken; None when all are."""
+        with self._lock:
+            if self._front >= self._back:
+                return None
+            self._back -= 1
+            return self._back
+
+    def close(self) -> None:
+        """Hand out nothing more."""
+        with self._lock:
+            self._back = self._front
 
 
 def wait_released(lock: threading.Lock) -> None:
@@ -265,13 +316,16 @@ class Job(Generic[T]):
 class IOThreads:
     """A fixed set of threads (started on first use) running blocking calls for an event loop."""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, cores: int | None = None) -> None:
         self._size = threads
+        self.cores = cores or usable_cores()  # the cores its jobs share (companions included)
         self._name = name
         self._queue: queue.SimpleQueue[Job[Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lanes: list[Lane] = []
         self._closed = False
+        self._count = threading.Lock()
+        self.running = 0  # jobs being executed now
 
     def submit(self, fn: Callable[..., T], *args: Any, hook: DoneHook | None = None) -> Job[T]:
         """Queue fn(*args); hook(value, error) runs on the loop when it ends, before any waiter wakes."""
@@ -297,12 +351,18 @@ class IOThreads:
             self._threads.append(thread)
 
     def _work(self, lane: Lane) -> None:
-        _worker.lane = lane
+        _worker.lane, _worker.pool = lane, self
         while True:
             job = self._queue.get()
             if job is None:
                 return
-            job.execute()
+            with self._count:
+                self.running += 1
+            try:
+                job.execute()
+            finally:
+                with self._count:
+                    self.running -= 1
 
     def close(self) -> None:
         """Refuse new calls, let the queued ones finish, then stop the threads (blocks)."""

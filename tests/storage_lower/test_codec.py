@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -121,24 +123,38 @@ def test_version_is_the_format_version() -> None:
     assert blob[:4] == codec.MAGIC
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.binary(min_size=0, max_size=1 << 18), st.lists(st.integers(0, 1 << 18), max_size=6))
-def test_checksum_in_parts_and_large_equals_one_shot(payload: bytes, cuts: list[int]) -> None:
-    """The GIL-releasing paths (large buffers, the streaming hasher) give the format's xxh3_64."""
+def spec_checksum(payload: bytes) -> int:
+    """The format's payload checksum, written out: xxh3_64 of the segments' xxh3_64 digests (u64 LE)."""
     import xxhash
 
-    assert codec.checksum(payload) == xxhash.xxh3_64_intdigest(payload)
-    hasher = codec.payload_hasher()
+    step = codec.SEGMENT
+    digests = [xxhash.xxh3_64_intdigest(payload[i : i + step]) for i in range(0, len(payload), step)]
+    return int(xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3 * (256 << 10) + 99), st.lists(st.integers(0, 1 << 20), max_size=6))
+def test_checksum_whole_in_parts_and_by_segment_agree(size: int, cuts: list[int]) -> None:
+    """checksum(), the streaming hasher fed at any cuts, and per-segment digests give the format's."""
+    payload = random.Random(size).randbytes(size)
+    want = spec_checksum(payload)
+    assert codec.checksum(payload) == want
+    hasher = codec.PayloadHasher()
     view, start = memoryview(payload), 0
-    for cut in sorted(min(c, len(payload)) for c in cuts):
+    for cut in sorted(min(c, size) for c in cuts):
         hasher.update(view[start:cut])
         start = cut
     hasher.update(view[start:])
-    assert hasher.intdigest() == codec.checksum(payload)
+    assert hasher.intdigest() == want
+    segments = [view[i : i + codec.SEGMENT] for i in range(0, size, codec.SEGMENT)]
+    digests = [0] * len(segments)
+    for i in reversed(range(len(segments))):  # hashed back to front, as a disk read's companion does
+        digests[i] = codec.segment_digest(segments[i])
+    assert codec.combine(digests) == want
 
 
-def test_large_payload_checksum_matches_one_shot() -> None:
-    import xxhash
-
-    payload = bytes(range(256)) * 4096  # 1 MiB: above the size where checksum() releases the GIL
-    assert codec.checksum(memoryview(payload)) == xxhash.xxh3_64_intdigest(payload)
+def test_checksum_depends_on_every_segment_and_their_order() -> None:
+    a, b = bytes(codec.SEGMENT), b"\1" * codec.SEGMENT
+    assert codec.SEGMENT == 256 << 10  # part of the format (BLOB_FORMAT_VERSION 2)
+    sums = {codec.checksum(p) for p in (a + b, b + a, a + a, b + b, a, b, a + b + b"\0")}
+    assert len(sums) == 7

@@ -366,18 +366,22 @@ def test_preallocate_sizes_the_file(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ segmented reads
-# With 4 KiB segments a payload of a few KiB takes the same path as a chunk of megabytes: the worker
-# reads and checksums the head segment by segment while its companion reads the tail.
+# With 4 KiB checksum segments a payload of a few KiB takes the same path as a chunk of megabytes: the
+# worker reads and checksums segments from the front (the first with the header) while its companion
+# does the same from the back. The format's segment size is patched for writer and reader alike.
 SEG = 4096
-ODD = 5 * SEG + 123  # not a multiple of the segment size
+ODD = 5 * SEG + 123  # six segments, the last one short
 HEADER = BLOB - CHUNK
 
 
+@pytest.fixture
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "SEGMENT", SEG)
+
+
 async def segmented(path: Path, io: DiskIO | None = None) -> DiskTier:
-    tier = await started(path, io=io)
-    tier.segment = SEG
-    assert SEG < tier._split(ODD) < ODD - SEG  # a head of several segments, and a tail
-    return tier
+    assert codec.SEGMENT == SEG
+    return await started(path, io=io)
 
 
 def decoded(tier: DiskTier, i: int) -> bytes:
@@ -385,6 +389,7 @@ def decoded(tier: DiskTier, i: int) -> bytes:
     return bytes(codec.decode(Path(tier.path_of(key(i))).read_bytes(), key(i)))
 
 
+@pytest.mark.usefixtures("small_segments")
 async def test_segmented_round_trip_with_and_without_companion(tmp_path: Path) -> None:
     tier = await segmented(tmp_path)
     for i in range(3):
@@ -399,6 +404,7 @@ async def test_segmented_round_trip_with_and_without_companion(tmp_path: Path) -
     await tier.close()
 
 
+@pytest.mark.usefixtures("small_segments")
 async def test_segmented_empty_and_one_segment_payloads(tmp_path: Path) -> None:
     tier = await segmented(tmp_path)
     for i, size in enumerate((0, 1, SEG, SEG + 1, 2 * SEG)):
@@ -417,15 +423,17 @@ def grow(path: str) -> None:
         f.write(b"\0")
 
 
+@pytest.mark.usefixtures("small_segments")
 async def test_segmented_damage_anywhere_is_a_counted_miss(tmp_path: Path) -> None:
     tier = await segmented(tmp_path)
-    split = tier._split(ODD)
     damages = [
-        lambda p: flip_bit(p, HEADER + ODD - 1),  # last byte, in the tail's last segment
-        lambda p: flip_bit(p, HEADER + split - 1),  # last byte of the worker's share
-        lambda p: flip_bit(p, HEADER + SEG + 17),  # a head segment after the first
-        lambda p: cut(p, HEADER + ODD - 100),  # truncated mid-segment, in the tail
-        lambda p: cut(p, HEADER + SEG + 100),  # truncated mid-segment, in the head
+        lambda p: flip_bit(p, HEADER + ODD - 1),  # last byte: the short last segment
+        lambda p: flip_bit(p, HEADER),  # first byte: the segment read with the header
+        lambda p: flip_bit(p, HEADER + 3 * SEG - 1),  # last byte of a middle segment
+        lambda p: flip_bit(p, HEADER + 3 * SEG),  # first byte of the next one
+        lambda p: cut(p, HEADER + ODD - 100),  # truncated in the last segment
+        lambda p: cut(p, HEADER + SEG + 100),  # truncated in the second segment
+        lambda p: cut(p, HEADER + 5 * SEG),  # truncated at a segment boundary
         grow,  # a byte past the end
     ]
     for i, damage_file in enumerate(damages):
@@ -439,6 +447,7 @@ async def test_segmented_damage_anywhere_is_a_counted_miss(tmp_path: Path) -> No
     await tier.close()
 
 
+@pytest.mark.usefixtures("small_segments")
 async def test_segmented_length_mismatch_is_not_corruption(tmp_path: Path) -> None:
     tier = await segmented(tmp_path)
     assert await tier.put(key(1), payload(1, ODD))
@@ -448,11 +457,12 @@ async def test_segmented_length_mismatch_is_not_corruption(tmp_path: Path) -> No
     await tier.close()
 
 
-async def test_read_error_in_the_tail_is_counted_and_keeps_the_file(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("small_segments")
+async def test_read_error_in_a_later_segment_is_counted_and_keeps_the_file(tmp_path: Path) -> None:
     io = FaultyIO()
     tier = await segmented(tmp_path, io=io)
     assert await tier.put(key(1), payload(1, ODD))
-    io.fail_reads_from = HEADER + tier._split(ODD)  # the companion's part (or the worker's, if late)
+    io.fail_reads_from = HEADER + 4 * SEG  # the last two segments: the companion's first, or anyone's
     assert await read(tier, 1, ODD) is None
     assert tier.stats().errors == {"eio": 1}
     assert await tier.contains_many([key(1)]) == [True]  # an I/O error is no proof of rot
@@ -461,6 +471,7 @@ async def test_read_error_in_the_tail_is_counted_and_keeps_the_file(tmp_path: Pa
     await tier.close()
 
 
+@pytest.mark.usefixtures("small_segments")
 async def test_header_write_failure_leaves_no_temp_file(tmp_path: Path) -> None:
     io = FaultyIO()
     tier = await segmented(tmp_path, io=io)
@@ -471,6 +482,7 @@ async def test_header_write_failure_leaves_no_temp_file(tmp_path: Path) -> None:
     await tier.close()
 
 
+@pytest.mark.usefixtures("small_segments")
 async def test_concurrent_segmented_gets_into_separate_buffers(tmp_path: Path) -> None:
     tier = await segmented(tmp_path)
     assert all(await asyncio.gather(*(tier.put(key(i), payload(i, ODD)) for i in range(12))))

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from storage.tiers.threads import Handoff, IOThreads, Lane, companion
+from storage.tiers.threads import Handoff, IOThreads, Lane, TwoEnds, companion
 
 
 async def test_value_error_and_hook_order() -> None:
@@ -33,7 +33,7 @@ async def test_value_error_and_hook_order() -> None:
 
 
 async def test_cancelled_waiter_returns_only_after_the_call_ended() -> None:
-    threads = IOThreads(1, "test-io")
+    threads = IOThreads(1, "test-io", cores=2)
     started, release = threading.Event(), threading.Event()
     ended: list[bool] = []
 
@@ -59,7 +59,7 @@ async def test_cancelled_waiter_returns_only_after_the_call_ended() -> None:
 
 
 async def test_close_runs_queued_calls_then_refuses_new_ones() -> None:
-    threads = IOThreads(1, "test-io")
+    threads = IOThreads(1, "test-io", cores=2)
     jobs = [threads.submit(lambda i=i: i) for i in range(5)]
     await asyncio.get_running_loop().run_in_executor(None, threads.close)
     assert [await job.result() for job in jobs] == list(range(5))
@@ -72,7 +72,7 @@ def test_companion_is_only_on_worker_threads() -> None:
 
 
 async def test_each_worker_has_its_own_companion_and_close_stops_them() -> None:
-    threads = IOThreads(2, "test-lanes")
+    threads = IOThreads(2, "test-lanes", cores=4)
     barrier = threading.Barrier(2, timeout=10)
 
     def lane_of_this_worker() -> Lane | None:
@@ -90,8 +90,54 @@ async def test_each_worker_has_its_own_companion_and_close_stops_them() -> None:
     assert ours() == []
 
 
+async def test_no_companion_while_every_core_has_a_job() -> None:
+    threads = IOThreads(3, "test-cores", cores=2)
+    barrier = threading.Barrier(2, timeout=10)
+
+    def alone() -> bool:
+        return companion() is not None
+
+    def with_another() -> bool:
+        barrier.wait()  # two jobs running at once on a pool of two cores
+        return companion() is not None
+
+    assert await threads.run(alone)
+    assert await asyncio.gather(*(threads.run(with_another) for _ in range(2))) == [False, False]
+    assert await threads.run(alone)  # the count went back down
+    await asyncio.get_running_loop().run_in_executor(None, threads.close)
+
+
+def test_two_ends_hand_out_every_index_once() -> None:
+    ends = TwoEnds(5)
+    assert [ends.front(), ends.back(), ends.back(), ends.front(), ends.front()] == [0, 4, 3, 1, 2]
+    assert ends.front() is None and ends.back() is None
+    closed = TwoEnds(3)
+    assert closed.back() == 2
+    closed.close()
+    assert closed.front() is None and closed.back() is None
+    assert TwoEnds(0).front() is None
+
+
+def test_two_ends_split_between_threads_take_each_index_once() -> None:
+    ends = TwoEnds(20_000)
+    taken: list[list[int]] = [[], []]
+
+    def take(side: int) -> None:
+        get = ends.front if side == 0 else ends.back
+        while (i := get()) is not None:
+            taken[side].append(i)
+
+    threads = [threading.Thread(target=take, args=(side,)) for side in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(taken[0] + taken[1]) == list(range(20_000))
+    assert taken[0] == sorted(taken[0]) and taken[1] == sorted(taken[1], reverse=True)
+
+
 async def test_handoff_runs_on_the_companion_and_returns_its_value() -> None:
-    threads = IOThreads(1, "test-io")
+    threads = IOThreads(1, "test-io", cores=2)
 
     def job() -> tuple[str, str]:
         started = threading.Event()
@@ -113,7 +159,7 @@ async def test_handoff_runs_on_the_companion_and_returns_its_value() -> None:
 
 
 async def test_handoff_the_companion_has_not_started_runs_in_the_worker_once() -> None:
-    threads = IOThreads(1, "test-io")
+    threads = IOThreads(1, "test-io", cores=2)
     release = threading.Event()
     calls: list[str] = []
 
@@ -134,7 +180,7 @@ async def test_handoff_the_companion_has_not_started_runs_in_the_worker_once() -
 
 
 async def test_handoff_error_reaches_the_worker() -> None:
-    threads = IOThreads(1, "test-io")
+    threads = IOThreads(1, "test-io", cores=2)
 
     def job() -> None:
         started = threading.Event()
@@ -157,7 +203,7 @@ async def test_handoff_error_reaches_the_worker() -> None:
 
 async def test_cancelled_waiter_holds_on_until_the_companion_call_ended() -> None:
     """A job settles its Handoff, so cancelling its waiter cannot free a buffer the companion uses."""
-    threads = IOThreads(1, "test-io")
+    threads = IOThreads(1, "test-io", cores=2)
     started, release = threading.Event(), threading.Event()
     ended: list[str] = []
 
