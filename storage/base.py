@@ -44,6 +44,10 @@ class BlobError(StorageError):
     """A blob at rest failed verification: bad magic, version, key echo, length or checksum."""
 
 
+class BlobFormatError(BlobError):
+    """An intact blob header of another format version (written by an older or newer kvtier)."""
+
+
 class ArenaError(StorageError):
     """The shared-memory arena could not be created, mapped or sized as asked."""
 

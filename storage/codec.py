@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from storage.base import BLOB_FORMAT_VERSION, BlobError, ChunkKey
+from storage.base import BLOB_FORMAT_VERSION, BlobError, BlobFormatError, ChunkKey
 from storage.keys import key_echo
 
 # Anything exposing the buffer protocol as bytes (collections.abc.Buffer arrives in 3.12).
@@ -176,7 +176,7 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
     if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + echo) != stored_check:
         raise BlobError("header checksum mismatch")
     if version != BLOB_FORMAT_VERSION:
-        raise BlobError(f"format version {version}, this build reads {BLOB_FORMAT_VERSION}")
+        raise BlobFormatError(f"format version {version}, this build reads {BLOB_FORMAT_VERSION}")
     if flags != 0:
         raise BlobError(f"unknown header flags {flags:#x}")
     if size > MAX_PAYLOAD_LEN:

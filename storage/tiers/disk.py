@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from app.settings import KVTierSettings
 from storage import codec
-from storage.base import BlobError, ChunkKey, Tier, TierStats
+from storage.base import BlobError, BlobFormatError, ChunkKey, Tier, TierStats
 from storage.keys import disk_relpath, parse_disk_relpath
 from storage.tiers.pins import PinBook
 from storage.tiers.threads import Handoff, IOThreads, Job, TwoEnds, companion
@@ -147,6 +147,7 @@ class ScanReport:
     temp_removed: int = 0
     foreign_skipped: int = 0
     corrupt_removed: int = 0
+    outdated_removed: int = 0  # chunks of another storage format (kvtier upgraded or downgraded)
     unreadable_skipped: int = 0
 
 
@@ -229,6 +230,7 @@ class DiskTier:
             ("scan_temp", report.temp_removed),
             ("scan_foreign", report.foreign_skipped),
             ("scan_unreadable", report.unreadable_skipped),
+            ("scan_outdated", report.outdated_removed),
             ("corrupt", report.corrupt_removed),
         ):
             if n:
@@ -238,11 +240,11 @@ class DiskTier:
             await self._remove(victims)
         self._stats.healthy = True
         log.info(
-            "disk tier %s: %d chunks (%d bytes) kept, %d evicted to fit %d bytes; removed %d temp "
-            "and %d corrupt files; skipped %d foreign and %d unreadable files",
+            "disk tier %s: %d chunks (%d bytes) kept, %d evicted to fit %d bytes; removed %d temp, "
+            "%d corrupt and %d older-format files; skipped %d foreign and %d unreadable files",
             self.root, len(self._index), self._used, len(victims or []), self.capacity,
-            report.temp_removed, report.corrupt_removed, report.foreign_skipped,
-            report.unreadable_skipped,
+            report.temp_removed, report.corrupt_removed, report.outdated_removed,
+            report.foreign_skipped, report.unreadable_skipped,
         )  # fmt: skip
 
     def _scan(self) -> tuple[list[tuple[ChunkKey, int, float]], ScanReport]:
@@ -262,6 +264,10 @@ class DiskTier:
                     continue
                 try:
                     size, mtime = self._check_file(path, key)
+                except BlobFormatError:
+                    # No namespace of this build names it: unindexed, it would hold disk_size's space.
+                    report.outdated_removed += self._unlink_quiet([path])
+                    continue
                 except BlobError:
                     report.corrupt_removed += self._unlink_quiet([path])
                     continue

@@ -12,7 +12,7 @@ import pytest
 
 from app.settings import KVTierSettings
 from storage import codec
-from storage.base import ChunkKey, ClearableTier, LowerTier, Tier
+from storage.base import BlobError, BlobFormatError, ChunkKey, ClearableTier, LowerTier, Tier
 from storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
 
 NS = "00112233445566ff"
@@ -363,6 +363,41 @@ def test_preallocate_sizes_the_file(tmp_path: Path) -> None:
         assert os.fstat(fd).st_size == 3 * 4096 + 5
     finally:
         os.close(fd)
+
+
+def rewrite_as_version(path: Path, version: int) -> bytes:
+    """Make path's blob one that a kvtier of another format version wrote (header checksum redone)."""
+    import struct
+
+    import xxhash
+
+    blob = path.read_bytes()
+    fixed = bytearray(blob[:28])
+    struct.pack_into("<H", fixed, 4, version)
+    echo_len = struct.unpack_from("<I", fixed, 8)[0]
+    echo = blob[36 : 36 + echo_len]
+    blob = bytes(fixed) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(fixed) + echo)) + blob[36:]
+    path.write_bytes(blob)
+    return blob
+
+
+async def test_restart_removes_chunks_of_another_format_as_outdated_not_corrupt(tmp_path: Path) -> None:
+    tier = await started(tmp_path)
+    for i in range(3):
+        assert await tier.put(key(i), payload(i))
+    await tier.close()
+    old = Path(tier.path_of(key(1)))
+    with pytest.raises(BlobError) as raised:
+        codec.parse_header(rewrite_as_version(old, 1), key(1))
+    assert type(raised.value) is BlobFormatError  # intact header, other version: not rot
+
+    again = await started(tmp_path)
+    report = again.last_scan
+    assert (report.chunks, report.outdated_removed, report.corrupt_removed) == (2, 1, 0)
+    assert again.stats().errors == {"scan_outdated": 1}
+    assert not exists(old) and again.stats().bytes == 2 * BLOB  # its space is not held unaccounted
+    assert await read(again, 0) == bytes(payload(0)) and await read(again, 1) is None
+    await again.close()
 
 
 # ------------------------------------------------------------------------------ segmented reads
