@@ -259,8 +259,8 @@ class Job(Generic[T]):
         """Whether the call has ended and its outcome reached the loop."""
         return self._done
 
-    def execute(self) -> None:
-        """Run the call (in a worker thread) and post its outcome to the loop."""
+    def execute(self, ended: Callable[[], None] | None = None) -> None:
+        """Run the call (in a worker thread), then ended(), then post its outcome to the loop."""
         fn, args = self._fn, self._args
         self._fn, self._args = None, ()  # let go of the caller's buffers as soon as the call ends
         value: Any = None
@@ -270,6 +270,8 @@ class Job(Generic[T]):
         except BaseException as exc:  # handed to the waiters, who decide what it means
             error = exc
         del fn, args
+        if ended is not None:
+            ended()  # before the loop hears of it: what the loop does next sees the call over
         try:
             self._loop.call_soon_threadsafe(self._settle, value, error)
         except RuntimeError:
@@ -358,11 +360,11 @@ class IOThreads:
                 return
             with self._count:
                 self.running += 1
-            try:
-                job.execute()
-            finally:
-                with self._count:
-                    self.running -= 1
+            job.execute(self._ended)
+
+    def _ended(self) -> None:
+        with self._count:
+            self.running -= 1
 
     def close(self) -> None:
         """Refuse new calls, let the queued ones finish, then stop the threads (blocks)."""

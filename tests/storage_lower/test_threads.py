@@ -99,7 +99,9 @@ async def test_no_companion_while_every_core_has_a_job() -> None:
 
     def with_another() -> bool:
         barrier.wait()  # two jobs running at once on a pool of two cores
-        return companion() is not None
+        spare = companion() is not None
+        barrier.wait()  # neither ends (and frees its core) before both have asked
+        return spare
 
     assert await threads.run(alone)
     assert await asyncio.gather(*(threads.run(with_another) for _ in range(2))) == [False, False]
