@@ -12,10 +12,11 @@ twice that per call here (20 vs 45 us), which is a measurable share of a 2 MiB c
 
 Each worker has a companion ``Lane``, one more thread, so one job can keep both cores busy: the
 worker hands one call to its companion through a ``Handoff`` and goes on with the rest of the job (the
-disk tier checksums a chunk there while the worker writes it, and reads the tail of a chunk there while
-the worker reads and checksums the head). Both release the GIL while they work (``preadv``, xxhash's
-``update``). A handed-off call may use the caller's buffer, so the job settles its Handoff before it
-returns: the job ending still means no thread uses the buffer any more.
+disk tier checksums a chunk there while the worker writes it; a read splits a chunk's segments with it
+through ``TwoEnds``). Both release the GIL while they work (``preadv``, xxhash's ``update``). A
+companion is offered only while fewer jobs run than there are cores: with every core busy already it
+would only make threads take turns. A handed-off call may use the caller's buffer, so the job settles
+its Handoff before it returns: the job ending still means no thread uses the buffer any more.
 
 Who owns what: a Job's outcome, hook and waiters belong to the event loop that submitted it; its
 thread only runs the call and posts the outcome back. A Handoff belongs to the worker that made it;
