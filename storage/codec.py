@@ -72,6 +72,17 @@ SEGMENT = 256 << 10
 _RELEASE_GIL_FROM = 1 << 16
 
 
+def segment_count(size: int) -> int:
+    """Segments of a payload of size bytes."""
+    return -(-size // SEGMENT)
+
+
+def segment_span(index: int, size: int) -> tuple[int, int]:
+    """Start and end of segment index of a payload of size bytes."""
+    start = index * SEGMENT
+    return start, min(size, start + SEGMENT)
+
+
 def segment_digest(segment: Buffer) -> int:
     """xxh3_64 of one segment of a payload; large ones are hashed without holding the GIL."""
     if memoryview(segment).nbytes < _RELEASE_GIL_FROM:
@@ -87,7 +98,8 @@ def combine(digests: Sequence[int]) -> int:
 def checksum(payload: Buffer) -> int:
     """The payload checksum the header carries (xxh3_64 over the segments' xxh3_64 digests)."""
     view = memoryview(payload).cast("B")
-    return combine([segment_digest(view[i : i + SEGMENT]) for i in range(0, view.nbytes, SEGMENT)])
+    size = view.nbytes
+    return combine([segment_digest(view[slice(*segment_span(i, size))]) for i in range(segment_count(size))])
 
 
 class PayloadHasher:

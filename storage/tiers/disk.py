@@ -471,14 +471,14 @@ class DiskTier:
         fd = self.io.open_read(self.path_of(key))
         try:
             hsize = codec.header_size(key)
-            count = -(-dest.nbytes // codec.SEGMENT)
+            count = codec.segment_count(dest.nbytes)
             digests = [0] * count
             segments = TwoEnds(count)
             first = segments.front()  # 0, read with the header (None for an empty payload)
             back = Handoff(self._read_segments, fd, dest, segments.back, digests, hsize)
             back.offer(companion())
             try:
-                header = self._read_head(fd, key, dest, first, digests)
+                header = self._read_head(fd, key, hsize, dest, first, digests)
                 self._read_segments(fd, dest, segments.front, digests, hsize)
                 back.result()  # the companion's segments, or any it left, read here
             finally:
@@ -490,12 +490,11 @@ class DiskTier:
             self.io.close(fd)
 
     def _read_head(
-        self, fd: int, key: ChunkKey, dest: memoryview, first: int | None, digests: list[int]
+        self, fd: int, key: ChunkKey, hsize: int, dest: memoryview, first: int | None, digests: list[int]
     ) -> codec.BlobHeader:
         """Read and check the header, with segment first in the same system call, and hash that."""
-        hsize = codec.header_size(key)
         head = memoryview(bytearray(hsize))
-        end = 0 if first is None else min(dest.nbytes, codec.SEGMENT)
+        end = 0 if first is None else codec.segment_span(first, dest.nbytes)[1]
         got = self._read_vec(fd, self._with_end([head, dest[:end]], end, dest), 0)
         header = codec.parse_header(head[: min(got, hsize)], key)
         self._check_length(fd, header, dest)
@@ -510,8 +509,7 @@ class DiskTier:
     ) -> None:
         """Read and hash the segments take() hands out until none is left (worker or companion)."""
         while (i := take()) is not None:
-            start = i * codec.SEGMENT
-            end = min(dest.nbytes, start + codec.SEGMENT)
+            start, end = codec.segment_span(i, dest.nbytes)
             self._read_part(fd, dest, start, end, hsize)
             digests[i] = codec.segment_digest(dest[start:end])
 
