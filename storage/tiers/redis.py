@@ -100,6 +100,10 @@ def build_client(settings: KVTierSettings) -> RedisClient:
         "socket_connect_timeout": settings.redis_timeout,
         # The breaker is the retry policy: a client that retries would multiply the timeout.
         "retry": Retry(NoBackoff(), 0),
+        # No CLIENT SETINFO: it costs every new connection a round trip before its first command
+        # (often a lookup's EXISTS, on the request's path) for a label in CLIENT LIST.
+        "lib_name": None,
+        "lib_version": None,
     }
     max_conn = settings.redis_pool_size + _SPARE_CONNECTIONS
     url = client_url(settings.redis_url)

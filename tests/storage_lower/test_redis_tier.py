@@ -236,6 +236,27 @@ async def test_fast_path_round_trip_parallel(tier: RedisTier, redis_server: Redi
 
 
 @needs_redis
+async def test_new_connections_send_no_setup_commands(redis_server: RedisServer) -> None:
+    """A connection's first command is the tier's own: no CLIENT SETINFO round trip before it."""
+    redis_server.command("FLUSHALL")  # the server is shared: earlier tests' keys would be hits
+    redis_server.command("CONFIG", "RESETSTAT")
+    t = RedisTier(make_settings(redis_server.url, redis_pool_size=4))
+    try:
+        await t.start()
+        assert await asyncio.gather(*(t.contains_many([key(i)]) for i in range(4))) == [[False]] * 4
+        assert await t.put(key(0), payload(0))
+        assert await read(t, key(0)) == bytes(payload(0))
+    finally:
+        await t.close()
+    # A server before 7.2 refuses SETINFO (an error, not a call): both sections are checked.
+    stats = redis_server.command("INFO", "commandstats").decode()
+    errors = redis_server.command("INFO", "errorstats").decode()
+    assert "cmdstat_exists:" in stats and "cmdstat_set:" in stats, stats
+    assert "cmdstat_client|setinfo" not in stats, stats
+    assert "errorstat_" not in errors, errors
+
+
+@needs_redis
 async def test_fast_path_no_ttl_and_big_values(tier: RedisTier, redis_server: RedisServer) -> None:
     tier.ttl = 0
     big = payload(3, size=3 << 20)
