@@ -4,9 +4,11 @@ Who owns what: a ``ServiceClient`` owns one background thread running its own ev
 loop owns the connection, the reconnect schedule and the timeout sweep. Public methods may be
 called from any thread: each encodes its request and, while connected, writes it to the socket
 itself (non-blocking, under the client's lock, with any remainder flushed by the loop), then
-returns a ``concurrent.futures.Future``. ``release_nowait`` returns nothing and gets no reply: its
-frame is held and goes out in the same send as the next call's (one system call here, one read in
-the service, for both), or with the loop's next sweep, within SWEEP_PERIOD_S, if no call comes.
+returns a ``concurrent.futures.Future``. ``release_nowait`` returns nothing and gets no reply: the
+lease id rides in the next lookup that ends no lease of its own (as its ``replaces``: one frame for
+both, and the new lease can take over the old one's pins when they hold the same chunks); failing
+that it goes out as a Release frame in the same send as the next call's, or with the loop's next
+sweep, within SWEEP_PERIOD_S, if no call comes.
 Writing from the calling thread saves a wake-up of the loop thread per call, and reading is
 symmetric: a thread that blocks on a future (``result()`` or ``exception()``, with no timeout or a
 positive one) reads the socket itself while no other thread does, so its reply wakes it directly,
@@ -143,6 +145,9 @@ class ServiceClient:
         self._channel: Channel | None = None
         self._pending: dict[int, Call] = {}
         self._queue: deque[Call] = deque()
+        # Lease ids release_nowait() has not sent yet (see _call); a deque: any thread appends or
+        # takes one without the lock.
+        self._releases: deque[str] = deque()
         self._sweeping = False
         self._closed = False
         self._hello: HelloReply | None = None
@@ -220,11 +225,16 @@ class ServiceClient:
     def release_nowait(self, lease_id: str) -> None:
         """End a lease without an answer (what the connector uses: it never waits for one).
 
-        The service ends it in order with this client's calls around it, and sends no reply frame,
+        The service ends it with this client's next call (in the next lookup that ends no lease
+        itself, as that lookup's ``replaces``) or within SWEEP_PERIOD_S, and sends no reply frame,
         which spares a write there and a read here. Nothing can fail that the caller could act on:
         a lease taken on a connection that is gone was released with it by the service.
         """
-        self._send_only(p.Release(id=next(self._ids), lease_id=lease_id, reply=False))
+        if self._closed or self._forks != _Forks.count or self._state is _DOWN:
+            return  # unlocked read, as in _call: the connection is gone and with it the lease
+        self._releases.append(lease_id)  # before the sweep check: see _sweep
+        with self._lock:
+            self._start_sweep(threading.get_ident() == self._loop_thread)
 
     def delete(self, namespace: str, hashes: list[bytes], timeout: float | None = None) -> Future[int]:
         """Remove chunks from every tier; the future gives how many were found."""
@@ -298,10 +308,15 @@ class ServiceClient:
         if self._state is _DOWN:  # unlocked read: failing fast must not wait for the lock
             return failed(self._unavailable())
         expect = CONVERT[type(msg)]
+        folded = type(msg) is p.Lookup and not msg.replaces and bool(self._releases) and self._fold(msg)
         try:
             frame = self._encoder().encode(msg)
         except p.ProtocolError as exc:
+            if folded:
+                self._releases.appendleft(msg.replaces)  # not sent: the next call takes it
             return failed(ServiceError(str(exc)))
+        if self._releases:  # ids no lookup took: Release frames, held to go out ahead of this one
+            self._send_releases()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         call = Call(self, msg.id, frame, expect, deadline)
         on_loop = threading.get_ident() == self._loop_thread
@@ -321,6 +336,25 @@ class ServiceClient:
         if error is not None:
             fail(call, error)
         return call
+
+    def _fold(self, msg: p.Lookup) -> bool:
+        """Have msg end a lease release_nowait() kept (as its replaces); False when none is left."""
+        try:
+            msg.replaces = self._releases.popleft()
+        except IndexError:  # another thread took the last one meanwhile
+            return False
+        return True
+
+    def _send_releases(self) -> None:
+        """Send the lease ids release_nowait() kept as Release frames that get no reply (not
+        under the lock)."""
+        releases = self._releases
+        while releases:
+            try:
+                lease_id = releases.popleft()
+            except IndexError:
+                return
+            self._send_only(p.Release(id=next(self._ids), lease_id=lease_id, reply=False))
 
     def _send_only(self, msg: Any) -> None:
         """Send a message that gets no reply: now, or once connected; dropped while down or closed."""
@@ -386,6 +420,7 @@ class ServiceClient:
         """Fail calls past their deadline and watch for replies again when no caller reads them;
         runs every SWEEP_PERIOD_S while any call is waiting or the loop thread is not watching."""
         now = time.monotonic()
+        self._send_releases()  # release_nowait() appends before it checks that a sweep is on
         with self._lock:
             expired = self._take_expired(now)
             queued = [c for c in self._queue if c.deadline <= now]
@@ -396,7 +431,12 @@ class ServiceClient:
                 channel.flush_held(on_loop=True)
             if channel is not None and not channel.watched and not channel.reading.locked():
                 channel.watch()  # replies nobody waits for, and a lost connection, get noticed
-            idle = not self._pending and not self._queue and (channel is None or channel.watched)
+            idle = (
+                not self._pending
+                and not self._queue
+                and not self._releases
+                and (channel is None or channel.watched)
+            )
             if idle:
                 self._sweeping = False
         for call in expired:

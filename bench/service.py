@@ -9,6 +9,8 @@ Lookups are made as the connector makes them, in two phases: ``lookup``, the loo
 request repeats every step, which takes a new lease and ends the request's previous one in the same
 call (``replaces``); and ``lookup_fresh``, the first lookup of a new request, which takes a lease of
 its own, with the release of an earlier request's lease (``release_nowait``, no reply) riding along.
+The fresh lookups alternate between two stored prompts, so the lease a lookup ends never holds the
+chunks it finds (its pins cannot just move over, as they do for a repeated lookup).
 
 It also reports the service's RSS without the arena (VmRSS - RssShmem) during two rounds of 15,000
 lookups and commits and after them: growth between the rounds would be a leak.
@@ -170,8 +172,9 @@ def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
     lease = f"bench-{os.getpid()}-{next(seq)}"  # the lease on the prompt now
     with ServiceClient(plan.url, timeout=plan.timeout) as client:
         ns = client.hello(spec).result(plan.timeout).namespace
-        prompt = [os.urandom(HASH_BYTES) for _ in range(CHUNKS)]
-        _save(client, ns, prompt, plan.timeout)
+        prompts = [[os.urandom(HASH_BYTES) for _ in range(CHUNKS)] for _ in range(2)]
+        prompt = prompts[0]  # the repeated lookups' prompt, which the lease holds between phases
+        fresh_seq = itertools.count(1)
 
         def lookup() -> float:
             # As the connector does for a request that waits: every lookup takes a new lease id
@@ -191,8 +194,9 @@ def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
             # request's lease released with no answer asked for (sent along with the next call).
             nonlocal lease
             new = f"bench-{os.getpid()}-{next(seq)}"
+            other = prompts[next(fresh_seq) % 2]  # not the prompt that the lease it ends holds
             t0 = time.perf_counter()
-            reply = client.lookup(ns, prompt, new).result(plan.timeout)
+            reply = client.lookup(ns, other, new).result(plan.timeout)
             took = time.perf_counter() - t0
             client.release_nowait(lease)
             lease = new
@@ -214,10 +218,12 @@ def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
         calls = {"lookup": lookup, "lookup_fresh": lookup_fresh, "commit": commit, "health": health}
         rounds = []
         for _ in range(plan.rounds):
-            # A commit phase longer than lease_ttl lets the prompt's lease expire and the prompt be
-            # evicted: store it again (unmeasured) so every measured lookup is a 64-chunk hit.
+            # The commit phase evicts unleased chunks, and one longer than lease_ttl lets the lease
+            # expire: store the prompts again (unmeasured) so every measured lookup is a 64-chunk hit.
+            for stored in prompts:
+                _save(client, ns, stored, plan.timeout)  # only the chunks not stored are written
             if client.lookup(ns, prompt, lease).result(plan.timeout).result.num_hit != CHUNKS:
-                _save(client, ns, prompt, plan.timeout)
+                raise RuntimeError("the prompt stored just now was evicted: give the arena more room")
             for _ in range(plan.warmup):
                 lookup()
             samples: dict[str, list[float]] = {}

@@ -1,5 +1,6 @@
 """bench.service's clients call the service as the connector does: a new lease per lookup, which
-either ends the previous one in the same call or is followed by its release with no answer asked for."""
+either ends the previous one in the same call or is followed by its release with no answer asked for
+(of a lease on another prompt)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_
 class _Recorder(app.client.ServiceClient):
     """A ServiceClient that records the leases it looks up and releases."""
 
-    calls: list[tuple[str, ...]] = []
+    calls: list[tuple[Any, ...]] = []
 
     def lookup(
         self,
@@ -31,7 +32,7 @@ class _Recorder(app.client.ServiceClient):
         replaces: str = "",
     ) -> Any:
         """Record, then look up."""
-        self.calls.append(("lookup", lease_id, replaces))
+        self.calls.append(("lookup", lease_id, replaces, hashes[0]))
         return super().lookup(namespace, hashes, lease_id, timeout, replaces=replaces)
 
     def release(self, lease_id: str, timeout: float | None = None) -> Any:
@@ -70,6 +71,9 @@ def test_each_measured_lookup_takes_a_new_lease_and_ends_the_last_without_an_ans
     fresh = [i for i, c in enumerate(calls) if c[0] == "release_nowait"]
     assert len(fresh) == 4
     for i in fresh:
-        kind, new, replaces = calls[i - 1]
+        kind, new, replaces, prompt = calls[i - 1]
         assert kind == "lookup" and not replaces and calls[i][1] != new
+        # ... of another prompt than the released lease holds: no pins move over between them.
+        (released,) = [c for c in calls[:i] if c[0] == "lookup" and c[1] == calls[i][1]][-1:]
+        assert released[3] != prompt
     assert calls[-1][0] == "release"  # the last one, waited for before the client closes

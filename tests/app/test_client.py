@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 
 from app import protocol as p
-from app.channel import Call
+from app.channel import Call, Channel
 from app.client import (
     CallTimeout,
     ClientClosed,
     ConstantBackoff,
     HelloReply,
     ServiceClient,
+    ServiceError,
     ServiceUnavailable,
     StaleInstance,
 )
@@ -101,6 +102,41 @@ def test_release_nowait_ends_the_lease_before_the_next_call(tmp_path: Path) -> N
         client.release_nowait("r2")
         client.release_nowait("r2")  # idempotent, as release() is
         assert client.stats().result(5)["leases_active"] == 0
+        assert svc.call(lambda: svc.service.owned()) == (0, 0)
+
+
+def test_release_nowait_rides_in_the_next_lookup_that_ends_no_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[Any] = []
+    decoder = p.request_decoder()
+    write = Channel.write
+
+    def spy(channel: Channel, frame: bytes | bytearray, on_loop: bool) -> bool:
+        sent.extend(decoder.feed(bytes(channel.held) + bytes(frame)))  # held frames go first
+        return write(channel, frame, on_loop)
+
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns, keys = _stored_and_leased(client, "r1")
+        monkeypatch.setattr(Channel, "write", spy)
+        client.release_nowait("r1")
+        assert client.lookup(ns, keys, "r2").result(5).result.num_hit == 4
+        # One frame: the lookup, ending r1 as its replaces.
+        assert [(type(m), m.lease_id, m.replaces) for m in sent] == [(p.Lookup, "r2", "r1")]
+        assert client.stats().result(5)["leases_active"] == 1
+        # A lookup that ends a lease itself takes none along: the kept one goes ahead as a Release.
+        del sent[:]
+        client.release_nowait("r9")
+        assert client.lookup(ns, keys, "r3", replaces="r2").result(5).result.num_hit == 4
+        assert [(type(m), m.lease_id) for m in sent] == [(p.Release, "r9"), (p.Lookup, "r3")]
+        assert sent[1].replaces == "r2" and client.stats().result(5)["leases_active"] == 1
+        # One that fails to encode keeps it for the next call.
+        del sent[:]
+        client.release_nowait("r3")
+        with pytest.raises(ServiceError):
+            client.lookup(ns, [b"h" * 256] * 40_000, "r4").result(5)  # over the frame limit
+        assert client.stats().result(5)["leases_active"] == 0
+        assert [type(m) for m in sent] == [p.Release, p.Stats]
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
 
 
