@@ -8,6 +8,10 @@ For chunk sizes of 2, 8 and 32 MiB it measures, in one run and interleaved repet
   into a preallocated, pre-touched buffer, as the tier reads into its caller's: ``os.read`` would
   allocate a fresh bytes object per file, and from 32 MiB up glibc maps fresh pages for each one, so
   the reference measured page faults (about 1 GB/s) rather than file reading.
+  ``thread_put_ratio`` / ``thread_get_ratio`` run that same plain write / read, one job per file, in
+  the I/O threads the tier uses (``IOThreads``): no checksum, no temp file, only the hand-off to a
+  thread and back that keeps file I/O off the event loop. They are the ceiling of any tier that does
+  its I/O off the loop on this machine, so the tier's own ratios read against them.
 - redis: RedisTier.put / get_into on one connection (``redis_pool_size=1``) against the raw redis-py
   client (hiredis) doing pipelined SET / GET of the same values on one connection; plus the tier's
   parallel get and put (``asyncio.gather`` over a pool of ``redis_pool_size`` connections).
@@ -45,6 +49,7 @@ from app.settings import KVTierSettings, load_settings
 from storage.base import ChunkKey
 from storage.tiers.disk import DiskTier
 from storage.tiers.redis import RedisTier
+from storage.tiers.threads import IOThreads
 
 MIB = 1 << 20
 SIZES_MIB = (2, 8, 32)
@@ -83,21 +88,39 @@ def _timed_sync(fn: Callable[[], Any]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- disk
+def _ref_write_file(path: str, payload: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    view = payload
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
+    os.close(fd)
+
+
 def _ref_write(directory: str, payload: memoryview, n: int) -> None:
     for i in range(n):
-        fd = os.open(f"{directory}/ref{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        view = payload
-        while view.nbytes:
-            view = view[os.write(fd, view) :]
-        os.close(fd)
+        _ref_write_file(f"{directory}/ref{i}", payload)
 
 
 def _ref_read(directory: str, dest: memoryview, n: int) -> None:
     for i in range(n):
-        fd = os.open(f"{directory}/ref{i}", os.O_RDONLY)
-        got = os.readv(fd, [dest])
-        os.close(fd)
-        assert got == dest.nbytes
+        _plain_read_one(directory, dest, i)
+
+
+def _plain_write_one(directory: str, payload: memoryview, i: int) -> None:
+    _ref_write_file(f"{directory}/ref{i}", payload)
+
+
+def _plain_read_one(directory: str, dest: memoryview, i: int) -> None:
+    fd = os.open(f"{directory}/ref{i}", os.O_RDONLY)
+    got = os.readv(fd, [dest])
+    os.close(fd)
+    assert got == dest.nbytes
+
+
+async def _in_threads(threads: IOThreads, fn: Callable[..., None], *args: Any, n: int) -> None:
+    """fn(*args, i) for each file i, one at a time, each in a thread, as the tier runs its I/O."""
+    for i in range(n):
+        await threads.run(fn, *args, i)
 
 
 def _ref_clear(directory: str, n: int) -> None:
@@ -106,13 +129,17 @@ def _ref_clear(directory: str, n: int) -> None:
             os.unlink(f"{directory}/ref{i}")
 
 
-async def bench_disk(tier: DiskTier, ref_dir: str, payload: memoryview, reps: int) -> dict[str, Any]:
-    """Disk tier put/get (one at a time, and all at once) against plain os.write/os.read."""
+async def bench_disk(
+    tier: DiskTier, threads: IOThreads, ref_dir: str, payload: memoryview, reps: int
+) -> dict[str, Any]:
+    """Disk tier put/get (one at a time, and all at once) against plain os.write/os.read, and
+    that plain I/O run in threads (the ceiling of I/O kept off the event loop)."""
     size = payload.nbytes
     n = max(4, ROUND_BYTES // size)
     dest = memoryview(_touched(size))
     dests = [memoryview(_touched(size)) for _ in range(n)]
-    best = {k: 1e9 for k in ("ref_put", "ref_get", "put", "get", "put_par", "get_par")}
+    names = ("ref_put", "ref_get", "thread_put", "thread_get", "put", "get", "put_par", "get_par")
+    best = dict.fromkeys(names, 1e9)
     for rep in range(reps):
         # Each phase starts from the same state (its own files only), so the kernel's dirty-page
         # throttling weighs on the reference and on the tier alike.
@@ -120,6 +147,11 @@ async def bench_disk(tier: DiskTier, ref_dir: str, payload: memoryview, reps: in
         _ref_clear(ref_dir, n)
         best["ref_put"] = min(best["ref_put"], _timed_sync(lambda: _ref_write(ref_dir, payload, n)))
         best["ref_get"] = min(best["ref_get"], _timed_sync(lambda: _ref_read(ref_dir, dest, n)))
+        _ref_clear(ref_dir, n)
+        thread_put = partial(_in_threads, threads, _plain_write_one, ref_dir, payload, n=n)
+        best["thread_put"] = min(best["thread_put"], await _timed(thread_put))
+        thread_get = partial(_in_threads, threads, _plain_read_one, ref_dir, dest, n=n)
+        best["thread_get"] = min(best["thread_get"], await _timed(thread_get))
         _ref_clear(ref_dir, n)
 
         async def put_all(keys: list[ChunkKey] = keys) -> None:
@@ -155,11 +187,15 @@ async def bench_disk(tier: DiskTier, ref_dir: str, payload: memoryview, reps: in
         "put_ratio": _ratio(fig["put"], fig["ref_put"]),
         "put_parallel_gbps": fig["put_par"],
         "put_ratio_parallel": _ratio(fig["put_par"], fig["ref_put"]),
+        "thread_put_gbps": fig["thread_put"],
+        "thread_put_ratio": _ratio(fig["thread_put"], fig["ref_put"]),
         "ref_get_gbps": fig["ref_get"],
         "get_gbps": fig["get"],
         "get_ratio": _ratio(fig["get"], fig["ref_get"]),
         "get_parallel_gbps": fig["get_par"],
         "get_ratio_parallel": _ratio(fig["get_par"], fig["ref_get"]),
+        "thread_get_gbps": fig["thread_get"],
+        "thread_get_ratio": _ratio(fig["thread_get"], fig["ref_get"]),
     }
 
 
@@ -360,6 +396,7 @@ async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[s
     await disk.start()
     arena = Arena.create(settings.shm_dir, min(8, ROUND_BYTES // max(sizes)) * max(sizes))
     arena.wait_prefaulted(60)
+    plain = IOThreads(1, "kvtier-bench-plain")  # one job at a time: one thread is all it uses
     result: dict[str, Any] = {"sizes_mib": list(args.sizes), "repeats": args.repeats}
     rows: dict[str, list[dict[str, Any]]] = {"disk": [], "redis": [], "arena": []}
     try:
@@ -377,7 +414,7 @@ async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[s
             try:
                 for size in sizes:
                     payload = memoryview(np.random.default_rng(size).bytes(size))
-                    rows["disk"].append(await bench_disk(disk, ref_dir, payload, args.repeats))
+                    rows["disk"].append(await bench_disk(disk, plain, ref_dir, payload, args.repeats))
                     n = max(4, ROUND_BYTES // size)
                     if one is not None and many is not None and url:
                         rows["redis"].append(await bench_redis(one, many, url, payload, args.repeats))
@@ -397,10 +434,12 @@ async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[s
             result["redis_source"] = source
     finally:
         await disk.close()
+        plain.close()
         arena.close()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(ref_dir, ignore_errors=True)
-    disk_names = ("put_ratio", "get_ratio", "put_ratio_parallel", "get_ratio_parallel")
+    disk_names = ("put_ratio", "get_ratio", "put_ratio_parallel", "get_ratio_parallel",
+                  "thread_put_ratio", "thread_get_ratio")  # fmt: skip
     result["disk"] = {**_worst(rows["disk"], *disk_names), "sizes": rows["disk"]}
     redis_names = ("put_ratio", "get_ratio", "get_ratio_parallel", "put_ratio_parallel")
     result["redis"] = (
@@ -416,8 +455,9 @@ async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[s
 def _table(fig: dict[str, Any]) -> str:
     lines = [f"kvtier storage benchmark, best of {fig['repeats']}, GB/s (1e9 bytes/s)"]
     columns = {
-        "disk": ("put_gbps", "put_parallel_gbps", "ref_put_gbps", "put_ratio", "get_gbps",
-                 "get_parallel_gbps", "ref_get_gbps", "get_ratio", "get_ratio_parallel"),
+        "disk": ("put_gbps", "put_parallel_gbps", "ref_put_gbps", "put_ratio", "thread_put_ratio",
+                 "get_gbps", "get_parallel_gbps", "ref_get_gbps", "get_ratio", "get_ratio_parallel",
+                 "thread_get_ratio"),
         "redis": ("put_gbps", "put_parallel_gbps", "ref_put_gbps", "put_ratio", "get_gbps",
                   "get_parallel_gbps", "ref_get_gbps", "get_ratio", "get_ratio_parallel"),
         "arena": ("copy_gbps", "stage_disk_gbps", "stage_ratio", "slot_vs_private_disk",
