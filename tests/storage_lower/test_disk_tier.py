@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,9 @@ import pytest
 from app.settings import KVTierSettings
 from storage import codec
 from storage.base import BlobError, BlobFormatError, ChunkKey, ClearableTier, LowerTier, Tier
+from storage.tiers import disk
 from storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
+from storage.tiers.threads import Lane
 
 NS = "00112233445566ff"
 CHUNK = 4096
@@ -412,6 +414,7 @@ HEADER = BLOB - CHUNK
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codec, "SEGMENT", SEG)
+    monkeypatch.setattr(disk, "COMPANION_MIN_BYTES", 2 * SEG)  # scaled down with the segments
 
 
 async def segmented(path: Path, io: DiskIO | None = None) -> DiskTier:
@@ -422,6 +425,31 @@ async def segmented(path: Path, io: DiskIO | None = None) -> DiskTier:
 def decoded(tier: DiskTier, i: int) -> bytes:
     """The payload of key i's file, decoded apart from the tier (header and checksum verified)."""
     return bytes(codec.decode(Path(tier.path_of(key(i))).read_bytes(), key(i)))
+
+
+@pytest.mark.usefixtures("small_segments")
+async def test_only_chunks_from_the_threshold_up_are_shared_with_the_companion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offered: list[object] = []
+    real_put = Lane.put
+
+    def put(lane: Lane, fn: Callable[..., object], *args: object) -> None:
+        offered.append(fn)
+        real_put(lane, fn, *args)
+
+    monkeypatch.setattr(Lane, "put", put)
+    tier = await segmented(tmp_path)
+    tier._threads.cores = 8  # a core is always spare, so only the chunk's size decides
+    small, big = 2 * SEG - 1, ODD
+    assert await tier.put(key(1), payload(1, small))
+    assert await read(tier, 1, small) == bytes(payload(1, small))
+    assert offered == []
+    assert await tier.put(key(2), payload(2, big))
+    assert await read(tier, 2, big) == bytes(payload(2, big))
+    assert len(offered) == 2  # the put's checksum, then the get's segments from the back
+    assert tier.stats().errors == {}
+    await tier.close()
 
 
 @pytest.mark.usefixtures("small_segments")
