@@ -88,17 +88,9 @@ def _timed_sync(fn: Callable[[], Any]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- disk
-def _ref_write_file(path: str, payload: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    view = payload
-    while view.nbytes:
-        view = view[os.write(fd, view) :]
-    os.close(fd)
-
-
 def _ref_write(directory: str, payload: memoryview, n: int) -> None:
     for i in range(n):
-        _ref_write_file(f"{directory}/ref{i}", payload)
+        _plain_write_one(directory, payload, i)
 
 
 def _ref_read(directory: str, dest: memoryview, n: int) -> None:
@@ -107,7 +99,11 @@ def _ref_read(directory: str, dest: memoryview, n: int) -> None:
 
 
 def _plain_write_one(directory: str, payload: memoryview, i: int) -> None:
-    _ref_write_file(f"{directory}/ref{i}", payload)
+    fd = os.open(f"{directory}/ref{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    view = payload
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
+    os.close(fd)
 
 
 def _plain_read_one(directory: str, dest: memoryview, i: int) -> None:

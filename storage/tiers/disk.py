@@ -16,8 +16,8 @@ while the companion checksums the payload, then writes the real header over the 
 still a temp file nobody reads); a get reads the payload's checksum segments (``codec.SEGMENT``) from
 both ends at once, the worker from the front (with the header) and the companion from the back, each
 hashing a segment as soon as it lands, while it is in that core's cache. A companion is offered only
-for chunks of ``COMPANION_MIN_BYTES`` or more and while a core is spare (``companion``), and one that
-is late leaves the worker to do everything itself.
+for chunks big enough to pay for it and while a core is spare (``companion``), and one that is late
+leaves the worker to do everything itself.
 
 Pins and deletes: pinned keys are never evicted. ``delete`` of a pinned key hides it from
 ``contains_many`` at once but keeps serving ``get_into`` to the lease that pinned it; the file goes when
@@ -45,17 +45,12 @@ from storage import codec
 from storage.base import BlobError, BlobFormatError, ChunkKey, Tier, TierStats
 from storage.keys import disk_relpath, parse_disk_relpath
 from storage.tiers.pins import PinBook
-from storage.tiers.threads import Handoff, IOThreads, Job, Lane, TwoEnds, companion
+from storage.tiers.threads import Handoff, IOThreads, Job, TwoEnds, companion
 
 log = logging.getLogger("kvtier.disk")
 T = TypeVar("T")
 TEMP_PREFIX = ".tmp-"
 _IO_THREADS = 4
-# A chunk this big or bigger shares its checksum work with the worker's companion thread. Below it
-# the hand-off costs more than it saves: waking the companion and trading the GIL with it at every
-# segment take tens of microseconds each on a VM; 2 and 4 MiB gets took 1.1-1.8x as long with it,
-# 8 MiB ones from 0.7x (faster) to 1.2x, depending on the host (/tmp probes, best and median of 7).
-COMPANION_MIN_BYTES = 8 << 20
 
 
 def _find_fallocate() -> Callable[[int, int, int, int], int] | None:
@@ -71,11 +66,6 @@ def _find_fallocate() -> Callable[[int, int, int, int], int] | None:
 
 _FALLOCATE = _find_fallocate()
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
-
-
-def _companion_for(nbytes: int) -> Lane | None:
-    """The companion to share a chunk of nbytes with, if one is free and the chunk is big enough."""
-    return companion() if nbytes >= COMPANION_MIN_BYTES else None
 
 
 class DiskIO:
@@ -426,7 +416,7 @@ class DiskTier:
 
     def _write_blob(self, fd: int, key: ChunkKey, payload: memoryview) -> None:
         """Write a blank header and the payload while the companion hashes it, then the real header."""
-        digest = Handoff(codec.checksum, payload).offer(_companion_for(payload.nbytes))
+        digest = Handoff(codec.checksum, payload).offer(companion(payload.nbytes))
         try:
             self._write_all(fd, [memoryview(bytes(codec.header_size(key))), payload])
             header = codec.encode_header(key, payload, digest.result())
@@ -487,7 +477,7 @@ class DiskTier:
             segments = TwoEnds(count)
             first = segments.front()  # 0, read with the header (None for an empty payload)
             back = Handoff(self._read_segments, fd, dest, segments.back, digests, hsize)
-            back.offer(_companion_for(dest.nbytes))
+            back.offer(companion(dest.nbytes))
             try:
                 header = self._read_head(fd, key, hsize, dest, first, digests)
                 self._read_segments(fd, dest, segments.front, digests, hsize)

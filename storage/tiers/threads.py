@@ -15,8 +15,10 @@ worker hands one call to its companion through a ``Handoff`` and goes on with th
 disk tier checksums a chunk there while the worker writes it; a read splits a chunk's segments with it
 through ``TwoEnds``). Both release the GIL while they work (``preadv``, xxhash's ``update``). A
 companion is offered only while fewer jobs run than there are cores: with every core busy already it
-would only make threads take turns. A handed-off call may use the caller's buffer, so the job settles
-its Handoff before it returns: the job ending still means no thread uses the buffer any more.
+would only make threads take turns; and only for jobs of ``COMPANION_MIN_BYTES`` or more: waking it
+and trading the GIL with it cost more than it takes over from a smaller job. A handed-off call may
+use the caller's buffer, so the job settles its Handoff before it returns: the job ending still means
+no thread uses the buffer any more.
 
 Who owns what: a Job's outcome, hook and waiters belong to the event loop that submitted it; its
 thread only runs the call and posts the outcome back. A Handoff belongs to the worker that made it;
@@ -69,17 +71,24 @@ async def wait_quietly(future: asyncio.Future[Any]) -> None:
 
 
 _worker = threading.local()
+# Bytes of work from which a job shares it with its companion. Below it the hand-off costs more than
+# it saves: waking the companion and trading the GIL with it at every step take tens of microseconds
+# each on a VM; 2 and 4 MiB disk gets took 1.1-1.8x as long with it, 8 MiB ones from 0.7x (faster)
+# to 1.2x, depending on the host (probes, best and median of 7).
+COMPANION_MIN_BYTES = 8 << 20
 
 
-def companion() -> Lane | None:
-    """The lane paired with the IOThreads worker running this code, if a core is spare for it.
+def companion(work_bytes: int) -> Lane | None:
+    """The lane paired with the IOThreads worker running this code, for a job over work_bytes, if a
+    core is spare for it and the job is big enough to pay for waking it.
 
-    None on any other thread, and while the pool runs as many jobs as there are cores: each job then
-    has a core of its own already, and a companion would only make threads take turns on them.
+    None on any other thread, below COMPANION_MIN_BYTES, and while the pool runs as many jobs as
+    there are cores: each job then has a core of its own already, and a companion would only make
+    threads take turns on them.
     """
     lane: Lane | None = getattr(_worker, "lane", None)
     pool: IOThreads | None = getattr(_worker, "pool", None)
-    if pool is None or pool.running >= pool.cores:
+    if pool is None or pool.running >= pool.cores or work_bytes < COMPANION_MIN_BYTES:
         return None
     return lane
 

@@ -13,7 +13,7 @@ import pytest
 from app.settings import KVTierSettings
 from storage import codec
 from storage.base import BlobError, BlobFormatError, ChunkKey, ClearableTier, LowerTier, Tier
-from storage.tiers import disk
+from storage.tiers import threads
 from storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
 from storage.tiers.threads import Lane
 
@@ -414,7 +414,7 @@ HEADER = BLOB - CHUNK
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codec, "SEGMENT", SEG)
-    monkeypatch.setattr(disk, "COMPANION_MIN_BYTES", 2 * SEG)  # scaled down with the segments
+    monkeypatch.setattr(threads, "COMPANION_MIN_BYTES", 2 * SEG)  # scaled down with the segments
 
 
 async def segmented(path: Path, io: DiskIO | None = None) -> DiskTier:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from storage.tiers.threads import Handoff, IOThreads, Lane, TwoEnds, companion
+from storage.tiers.threads import COMPANION_MIN_BYTES, Handoff, IOThreads, Lane, TwoEnds, companion
 
 
 async def test_value_error_and_hook_order() -> None:
@@ -68,7 +68,7 @@ async def test_close_runs_queued_calls_then_refuses_new_ones() -> None:
 
 
 def test_companion_is_only_on_worker_threads() -> None:
-    assert companion() is None
+    assert companion(COMPANION_MIN_BYTES) is None
 
 
 async def test_each_worker_has_its_own_companion_and_close_stops_them() -> None:
@@ -77,7 +77,7 @@ async def test_each_worker_has_its_own_companion_and_close_stops_them() -> None:
 
     def lane_of_this_worker() -> Lane | None:
         barrier.wait()  # both workers busy at once, so the two calls run on different workers
-        return companion()
+        return companion(COMPANION_MIN_BYTES)
 
     lanes = await asyncio.gather(*(threads.run(lane_of_this_worker) for _ in range(2)))
     assert all(lane is not None for lane in lanes) and lanes[0] is not lanes[1]
@@ -95,11 +95,11 @@ async def test_no_companion_while_every_core_has_a_job() -> None:
     barrier = threading.Barrier(2, timeout=10)
 
     def alone() -> bool:
-        return companion() is not None
+        return companion(COMPANION_MIN_BYTES) is not None
 
     def with_another() -> bool:
         barrier.wait()  # two jobs running at once on a pool of two cores
-        spare = companion() is not None
+        spare = companion(COMPANION_MIN_BYTES) is not None
         barrier.wait()  # neither ends (and frees its core) before both have asked
         return spare
 
@@ -148,7 +148,7 @@ async def test_handoff_runs_on_the_companion_and_returns_its_value() -> None:
             started.set()
             return threading.current_thread().name
 
-        handoff = Handoff(on_companion).offer(companion())
+        handoff = Handoff(on_companion).offer(companion(COMPANION_MIN_BYTES))
         try:
             started.wait(10)  # let the companion take it before asking
             return threading.current_thread().name, handoff.result()
@@ -166,7 +166,7 @@ async def test_handoff_the_companion_has_not_started_runs_in_the_worker_once() -
     calls: list[str] = []
 
     def job() -> str:
-        lane = companion()
+        lane = companion(COMPANION_MIN_BYTES)
         busy = Handoff(release.wait, 10).offer(lane)  # keeps the companion busy
         late = Handoff(lambda: calls.append(threading.current_thread().name) or "ran").offer(lane)
         try:
@@ -191,7 +191,7 @@ async def test_handoff_error_reaches_the_worker() -> None:
             started.set()
             raise OSError(5, "Input/output error")
 
-        handoff = Handoff(fail).offer(companion())
+        handoff = Handoff(fail).offer(companion(COMPANION_MIN_BYTES))
         try:
             started.wait(10)
             handoff.result()
@@ -215,7 +215,7 @@ async def test_cancelled_waiter_holds_on_until_the_companion_call_ended() -> Non
         ended.append("companion")
 
     def job() -> None:
-        handoff = Handoff(on_companion).offer(companion())
+        handoff = Handoff(on_companion).offer(companion(COMPANION_MIN_BYTES))
         try:
             started.wait(10)
             raise RuntimeError("the worker's half failed")  # the companion is still running
