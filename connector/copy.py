@@ -19,7 +19,8 @@ copies run after the caller returns, and a callback learns their outcome (see ``
 chunk's layer 0, then layer 1, ...) behind the caller's back and answers with a ``LayerLoads`` whose
 ``wait_layer(i)`` returns once layers 0..i are in place, so attention of early layers overlaps the
 loads of later ones (CPU: on the copy thread; CUDA: one event per layer piece, and the compute
-stream waits on it without blocking the host).
+stream waits on it without blocking the host). On the CPU the copy thread copies layers from the first
+one up while a caller waiting for a layer copies from the last one down (see ``_CpuLayerLoads``).
 """
 
 from __future__ import annotations
@@ -82,38 +83,84 @@ class LayerLoads:
 
 
 class _CpuLayerLoads(LayerLoads):
-    """Progress of a layer-by-layer load on the copy thread."""
+    """A layer-by-layer load on the CPU, copied from both ends: the copy thread takes layers from the
+    first one up (``run``), and a caller that waits for a layer not in place yet takes layers from
+    the last one down (in ``wait_layer``) instead of sleeping. A full hit leaves the forward nothing
+    to do meanwhile, so its copies use both cores (and do not queue behind earlier saves on the copy
+    thread); a long prefill still finds its early layers copied first.
 
-    def __init__(self, num_layers: int) -> None:
+    Every layer is claimed by one thread and copied once. A failed copy stops both ends; waiters
+    return once no copy is running any more, so nothing writes into the blocks after they do.
+    """
+
+    def __init__(self, num_layers: int, copy_layer: Callable[[int], None]) -> None:
         self._cond = threading.Condition()
-        self._done = 0  # layers in place
+        self._copy_layer = copy_layer
         self._num_layers = num_layers
+        self._front = 0  # the copy thread claims this layer next
+        self._back = num_layers  # waiters claim the layer before this one next
+        self._done = [False] * num_layers
+        self._ready = 0  # layers 0.._ready-1 are in place
+        self._running = 0  # copies under way
         self._error: BaseException | None = None
 
-    def advance(self) -> None:
-        """One more layer is in place (copy thread)."""
+    def run(self) -> None:
+        """Copy layers from the first one up until every layer is claimed (copy thread)."""
+        while True:
+            with self._cond:
+                if self._front >= self._back or self._error is not None:
+                    return
+                layer = self._front
+                self._front += 1
+                self._running += 1
+            self._copy(layer)
+
+    def _copy(self, layer: int) -> None:
+        """Copy a claimed layer and record it (its claimer counted it in _running)."""
+        error: BaseException | None = None
+        try:
+            self._copy_layer(layer)
+        except BaseException as exc:  # even an interrupt: waiters must not wait for it forever
+            error = exc
         with self._cond:
-            self._done += 1
-            if self._done == self._num_layers:
+            self._running -= 1
+            if error is not None:
+                if self._error is None:
+                    self._error = error
+                self._front = self._back  # nothing more is claimed
+            else:
+                self._done[layer] = True
+                while self._ready < self._num_layers and self._done[self._ready]:
+                    self._ready += 1
+            if self._settled(self._num_layers - 1):
                 self.ended = time.monotonic()
             self._cond.notify_all()
+        if error is not None and not isinstance(error, Exception):
+            raise error
 
-    def fail(self, error: BaseException) -> None:
-        """A copy failed: every waiter goes on, and finish() reports it (copy thread)."""
-        with self._cond:
-            self._error = error
-            self._done = self._num_layers
-            self.ended = time.monotonic()
-            self._cond.notify_all()
+    def _settled(self, layer: int) -> bool:
+        """Layers 0..layer are in place, or a copy failed and none is running (holder of _cond)."""
+        if self._error is not None:
+            return self._running == 0
+        return self._ready > layer
 
     def wait_layer(self, layer: int) -> None:
-        """Block until layers 0..layer are copied (or a copy failed)."""
-        with self._cond:
-            while self._done <= layer:
-                self._cond.wait()
+        """Return once layers 0..layer are in place (or a copy failed), copying the last
+        unclaimed layers meanwhile."""
+        while True:
+            with self._cond:
+                if self._settled(layer):
+                    return
+                if self._front >= self._back:
+                    self._cond.wait()
+                    continue
+                self._back -= 1
+                claimed = self._back
+                self._running += 1
+            self._copy(claimed)
 
     def finish(self) -> BaseException | None:
-        """Block until every layer is copied; the copy error, or None."""
+        """Block until every layer is copied (helping with the copies); the copy error, or None."""
         self.wait_layer(self._num_layers - 1)
         return self._error
 
@@ -331,25 +378,17 @@ class BlockCopier:
         if self._gpu is not None:
             return _CudaLayerLoads(self._gpu.load(chunks), self.device)
         work = [(slot.numpy(), first, block_runs([int(b) for b in ids])) for slot, first, ids in chunks]
-        progress = _CpuLayerLoads(self.num_layers)
-        if self._helper is None:
-            self._load_layers_cpu(work, progress)
-        else:
-            self._helper.submit(self._load_layers_cpu, work, progress)
-        return progress
 
-    def _load_layers_cpu(
-        self, work: list[tuple[np.ndarray, int, list[_Run]]], progress: _CpuLayerLoads
-    ) -> None:
-        """load_layers' copies; never raises (progress carries the error), so a failed load
-        cannot fail an unrelated save at the next fence."""
-        try:
-            for layer in range(self.num_layers):
-                for slot, first, runs in work:
-                    self._load_cpu(layer, layer + 1, slot, runs, first)
-                progress.advance()
-        except Exception as exc:
-            progress.fail(exc)
+        def copy_layer(layer: int) -> None:
+            for slot, first, runs in work:
+                self._load_cpu(layer, layer + 1, slot, runs, first)
+
+        progress = _CpuLayerLoads(self.num_layers, copy_layer)
+        if self._helper is None:
+            progress.run()
+        else:
+            self._helper.submit(progress.run)
+        return progress
 
     def wait(self) -> None:
         """Block until every copy issued so far has finished; CopyError if a CPU copy failed."""

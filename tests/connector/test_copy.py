@@ -184,6 +184,78 @@ def test_layer_by_layer_loads_are_in_place_once_each_layer_is_waited_for(make, d
     loader.close()
 
 
+def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_bytes) -> None:
+    import threading
+
+    src = [_kv_cpu(50 + i) for i in range(4)]
+    saver = BlockCopier(src, NUM_BLOCKS, blocks_per_chunk=3)
+    buf = slot_bytes(saver.chunk_bytes)
+    saver.save(saver.slot_view(buf), [4, 5, 6])
+    dst = [torch.zeros_like(t) for t in src]
+    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS)
+    assert loader.cpu_threads == 2
+    release = threading.Event()
+    loader._helper.submit(release.wait)  # e.g. an earlier step's saves, still running there
+    loads = loader.load_layers([(loader.slot_view(buf), 0, [1, 2, 3])])
+    outcome: list[BaseException | None] = []
+    # Takes the layers from the last one down to layer 0 (in a thread: were it to sleep instead,
+    # the test would fail, not hang).
+    waiter = threading.Thread(target=lambda: (loads.wait_layer(0), outcome.append(loads.finish())))
+    waiter.start()
+    waiter.join(30)
+    finished_alone = outcome == [None]
+    for s, d in zip(src, dst, strict=True):
+        assert all(torch.equal(d[b], s[b + 3]) for b in (1, 2, 3))
+    release.set()
+    waiter.join(30)
+    assert finished_alone, "the load waited for the busy copy thread"
+    loader.wait()  # the copy thread's turn comes after: it finds nothing left to copy
+    for s, d in zip(src, dst, strict=True):
+        assert all(torch.equal(d[b], s[b + 3]) for b in (1, 2, 3))
+    saver.close()
+    loader.close()
+
+
+def test_a_failed_layer_copy_stops_both_ends_and_is_reported() -> None:
+    import threading
+
+    from connector.copy import _CpuLayerLoads
+
+    copied: list[int] = []
+    started = threading.Event()
+    release = threading.Event()
+
+    def copy_layer(layer: int) -> None:
+        if layer == 0:  # the copy thread's first layer: still running while the waiter fails
+            started.set()
+            release.wait(10)
+        if layer == 4:
+            raise OSError("bad page")
+        copied.append(layer)
+
+    loads = _CpuLayerLoads(6, copy_layer)
+    front = threading.Thread(target=loads.run)
+    front.start()
+    assert started.wait(10)
+    waiter_done = threading.Event()
+    result: list[BaseException | None] = []
+
+    def wait_all() -> None:
+        result.append(loads.finish())
+        waiter_done.set()
+
+    back = threading.Thread(target=wait_all)
+    back.start()
+    # The waiter copied layer 5, failed on layer 4, and must not return while layer 0 is copied.
+    assert not waiter_done.wait(0.2)
+    release.set()
+    front.join(10)
+    back.join(10)
+    assert isinstance(result[0], OSError)
+    assert sorted(copied) == [0, 5]  # nothing after the failure: layers 1-3 were never claimed
+    assert loads.ended is not None
+
+
 def test_block_ids_past_the_cache_are_refused_before_any_copy() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

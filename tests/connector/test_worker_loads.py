@@ -43,35 +43,38 @@ def test_each_layer_is_in_place_once_its_wait_returns_and_the_lease_ends_after_t
     arena_worker, monkeypatch
 ) -> None:
     worker, client, kv, arena = arena_worker
+    assert worker.copier.cpu_threads == 2
     slot, stored = _stored_slot(worker, arena, 0)
     gate = threading.Event()
+    at_gate = threading.Event()
     real = worker.copier._load_cpu
 
-    def layers_after_the_first_wait(lo: int, hi: int, *args: Any) -> None:
-        if lo >= 1:
+    def copy_thread_waits_at_the_gate(lo: int, hi: int, *args: Any) -> None:
+        if threading.current_thread().name == "kvtier-copy":
+            at_gate.set()
             assert gate.wait(10), "the test never opened the gate"
         real(lo, hi, *args)
 
-    monkeypatch.setattr(worker.copier, "_load_cpu", layers_after_the_first_wait)
+    monkeypatch.setattr(worker.copier, "_load_cpu", copy_thread_waits_at_the_gate)
     _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
-    worker.wait_for_layer_load("layer0")
-    assert torch.equal(_layer_block(kv, 0, 3), stored[0, 0]) and torch.equal(
-        _layer_block(kv, 0, 4), stored[0, 1]
-    )
-    assert not torch.equal(_layer_block(kv, 1, 3), stored[1, 0])  # layer 1 is still at the gate
+    assert at_gate.wait(10)  # the copy thread took layer 0, the first one, and holds it
     waited = threading.Event()
-    waiter = threading.Thread(target=lambda: (worker.wait_for_layer_load("layer1"), waited.set()))
+    waiter = threading.Thread(target=lambda: (worker.wait_for_layer_load("layer0"), waited.set()))
     waiter.start()
-    assert not waited.wait(0.2), "layer 1's wait returned before its copy"
+    # Meanwhile the waiter copies the other layers itself, from the last one down; layer 0's wait
+    # returns only once the copy thread has put layer 0 in place.
+    assert not waited.wait(0.2), "layer 0's wait returned before its copy"
+    assert not torch.equal(_layer_block(kv, 0, 3), stored[0, 0])
     assert client.released == []  # the slot is still being read
     gate.set()
     waiter.join(10)
     assert waited.is_set()
-    worker.wait_for_layer_load("layer2")
-    worker.wait_for_save()
-    for layer in range(LAYERS):
+    for layer in range(LAYERS):  # every layer in place once layer 0's wait returned
         assert torch.equal(_layer_block(kv, layer, 3), stored[layer, 0])
         assert torch.equal(_layer_block(kv, layer, 4), stored[layer, 1])
+    worker.wait_for_layer_load("layer1")
+    worker.wait_for_layer_load("layer2")
+    worker.wait_for_save()
     assert worker.take_load_errors() == set()
     assert client.released == ["lease-r1"]
     stats = worker.stats()
