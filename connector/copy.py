@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from connector.copy_thread import CopyThread
+from storage.tiers.threads import TwoEnds
 
 if TYPE_CHECKING:
     from connector.copy_cuda import CudaCopier
@@ -97,10 +98,9 @@ class _CpuLayerLoads(LayerLoads):
         self._cond = threading.Condition()
         self._copy_layer = copy_layer
         self._num_layers = num_layers
-        self._front = 0  # the copy thread claims this layer next
-        self._back = num_layers  # waiters claim the layer before this one next
+        # Claimed under _cond too, so a claim and its count in _running are one step.
+        self._layers = TwoEnds(num_layers)
         self._done = [False] * num_layers
-        self._ready = 0  # layers 0.._ready-1 are in place
         self._running = 0  # copies under way
         self._error: BaseException | None = None
 
@@ -108,10 +108,9 @@ class _CpuLayerLoads(LayerLoads):
         """Copy layers from the first one up until every layer is claimed (copy thread)."""
         while True:
             with self._cond:
-                if self._front >= self._back or self._error is not None:
+                layer = self._layers.front()
+                if layer is None:
                     return
-                layer = self._front
-                self._front += 1
                 self._running += 1
             self._copy(layer)
 
@@ -127,11 +126,9 @@ class _CpuLayerLoads(LayerLoads):
             if error is not None:
                 if self._error is None:
                     self._error = error
-                self._front = self._back  # nothing more is claimed
+                self._layers.close()  # nothing more is claimed
             else:
                 self._done[layer] = True
-                while self._ready < self._num_layers and self._done[self._ready]:
-                    self._ready += 1
             if self._settled(self._num_layers - 1):
                 self.ended = time.monotonic()
             self._cond.notify_all()
@@ -142,7 +139,7 @@ class _CpuLayerLoads(LayerLoads):
         """Layers 0..layer are in place, or a copy failed and none is running (holder of _cond)."""
         if self._error is not None:
             return self._running == 0
-        return self._ready > layer
+        return all(self._done[: layer + 1])
 
     def wait_layer(self, layer: int) -> None:
         """Return once layers 0..layer are in place (or a copy failed), copying the last
@@ -151,11 +148,10 @@ class _CpuLayerLoads(LayerLoads):
             with self._cond:
                 if self._settled(layer):
                     return
-                if self._front >= self._back:
+                claimed = self._layers.back()
+                if claimed is None:
                     self._cond.wait()
                     continue
-                self._back -= 1
-                claimed = self._back
                 self._running += 1
             self._copy(claimed)
 
