@@ -101,7 +101,8 @@ class Call(Future[Any]):
         """Complete the call (InvalidStateError when it is done already)."""
         with _CONDITIONS:
             if self._cond is None:  # nobody waits on it, nor can start to meanwhile
-                if self._state in DONE:
+                # Without the condition it was never cancelled (cancel() takes it): PENDING or FINISHED.
+                if self._state is FINISHED:
                     raise InvalidStateError(f"{self._state}: {self!r}")
                 self._result = result
                 self._state = FINISHED  # last: a lock-free reader that sees it sees the result too
@@ -112,7 +113,7 @@ class Call(Future[Any]):
         """Fail the call (InvalidStateError when it is done already)."""
         with _CONDITIONS:
             if self._cond is None:
-                if self._state in DONE:
+                if self._state is FINISHED:
                     raise InvalidStateError(f"{self._state}: {self!r}")
                 self._exception = exception
                 self._state = FINISHED
@@ -121,7 +122,7 @@ class Call(Future[Any]):
 
     def result(self, timeout: float | None = None) -> Any:
         """The call's result, reading replies in this thread while it waits."""
-        if self._state not in DONE and self.reader is not None:
+        if self._state is PENDING and self.reader is not None:
             timeout = self.reader.await_reply(self, timeout)
         if self._state is FINISHED and self._exception is None:
             return self._result  # read here: no condition needed once it is finished
@@ -183,6 +184,7 @@ class Channel:
         self.on_writable = on_writable
         self.on_readable = on_readable
         self.fd = sock.fileno()
+        self.loop_thread = threading.get_ident()  # made on the loop thread (ServiceClient._open)
         self.decoder = p.reply_decoder()
         # recv_into one preallocated buffer: a fresh 256 KiB bytes per recv() costs an mmap.
         self.inbuf = bytearray(RECV_BYTES)
@@ -194,29 +196,31 @@ class Channel:
         self.reading = threading.Lock()  # held by the one thread reading replies
         self.watched = False  # the loop thread watches for replies (loop thread only)
         self.watch_asked = False  # watch() is scheduled on the loop thread already
-        self._poller = select.poll()  # used by the holder of reading only
-        self._poller.register(self.fd, select.POLLIN)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        # poll(ms) says when a reply may be read (holder of reading only; None: no timeout).
+        self.poll = poller.poll
 
     def hold(self, frame: bytes) -> None:
         """Keep a frame that gets no reply for the next write, so that both go out in one send
         and reach the service in one read (caller holds the lock; see flush_held)."""
         self.held += frame
 
-    def flush_held(self, on_loop: bool) -> None:
+    def flush_held(self) -> None:
         """Send what hold() kept, if no write took it along meanwhile (caller holds the lock)."""
         if self.held:
-            self.write(b"", on_loop)
+            self.write(b"")
 
-    def write(self, frame: bytes | bytearray, on_loop: bool) -> bool:
+    def write(self, frame: bytes | bytearray) -> bool:
         """Send or buffer frame (caller holds the lock); False when the connection is broken."""
-        if self.closed:
-            return False
-        if self.held:  # frames kept by hold() go first, in the same send
-            self.held += frame
-            frame, self.held = self.held, bytearray()
-        if self.pending_out:
-            self.pending_out += frame
-            return True
+        if self.held or self.pending_out or self.closed:  # one test for the three rare cases
+            if self.closed:
+                return False
+            if self.held:  # frames kept by hold() go first, in the same send
+                frame, self.held = self.held + frame, bytearray()
+            if self.pending_out:
+                self.pending_out += frame
+                return True
         try:
             sent = self.sock.send(frame)
         except (BlockingIOError, InterruptedError):
@@ -224,14 +228,18 @@ class Channel:
         except OSError:
             return False  # the reader sees the same failure and reconnects
         if sent < len(frame):
-            self.pending_out += frame[sent:]
-            if not self.writer_armed:
-                self.writer_armed = True
-                if on_loop:
-                    self.arm()
-                else:
-                    self.loop.call_soon_threadsafe(self.arm)
+            self._keep(frame[sent:])
         return True
+
+    def _keep(self, rest: bytes | bytearray) -> None:
+        """Buffer what the socket did not take, for the loop thread to flush when it can."""
+        self.pending_out += rest
+        if not self.writer_armed:
+            self.writer_armed = True
+            if threading.get_ident() == self.loop_thread:
+                self.arm()
+            else:
+                self.loop.call_soon_threadsafe(self.arm)
 
     def arm(self) -> None:
         """Start watching for writability (loop thread)."""
@@ -271,23 +279,3 @@ class Channel:
         self.reading.release()
         if self.closed:  # checked after the release: see close()
             self.sock.close()
-
-    def wait_readable(self, timeout: float | None) -> bool:
-        """Block (GIL released) until a reply may be read or timeout seconds passed (none when
-        timeout <= 0; holder of reading only)."""
-        if timeout is None or timeout == math.inf:  # a call made with timeout=math.inf
-            return bool(self._poller.poll(None))
-        return bool(self._poller.poll(timeout * 1000.0 if timeout > 0.0 else 0))
-
-    def receive(self) -> list:
-        """Read what arrived and decode the complete replies (holder of reading).
-
-        Raises BlockingIOError when nothing is there, OSError or EOFError when the connection is
-        gone, ProtocolError for a bad frame.
-        """
-        if self.closed:
-            raise EOFError("connection closed by the client")
-        n = self.sock.recv_into(self.inbuf)
-        if not n:
-            raise EOFError("connection closed by the service")
-        return self.decoder.feed(self.inview[:n])

@@ -45,7 +45,7 @@ from typing import Any
 from app import protocol as p
 from app.address import Address, parse_url
 from app.affinity import engine_cpus, run_on
-from app.channel import DONE, Call, Channel, fail, fail_calls, failed
+from app.channel import FINISHED, PENDING, Call, Channel, fail, fail_calls, failed
 from app.client_types import (
     CONVERT,
     NO_REPLY,
@@ -183,10 +183,13 @@ class ServiceClient:
         """Count leading stored chunks and lease them under lease_id (replacing that lease); then
         end the lease replaces, when set, as a release of it right after would (one call, not two,
         and a lookup that finds the same chunks takes over their pins)."""
+        folded = ""
+        if not replaces and self._releases:  # a lease release_nowait() kept rides along (see there)
+            folded = replaces = self._take_release()
         msg = p.Lookup(
             id=next(self._ids), namespace=namespace, hashes=hashes, lease_id=lease_id, replaces=replaces
         )
-        return self._call(msg, timeout)
+        return self._call(msg, timeout, folded)
 
     def stage(self, lease_id: str, timeout: float | None = None) -> Future[StageReply]:
         """Bring every chunk of the lease into arena slots."""
@@ -234,7 +237,7 @@ class ServiceClient:
             return  # unlocked read, as in _call: the connection is gone and with it the lease
         self._releases.append(lease_id)  # before the sweep check: see _sweep
         with self._lock:
-            self._start_sweep(threading.get_ident() == self._loop_thread)
+            self._start_sweep()
 
     def delete(self, namespace: str, hashes: list[bytes], timeout: float | None = None) -> Future[int]:
         """Remove chunks from every tier; the future gives how many were found."""
@@ -294,56 +297,53 @@ class ServiceClient:
         self.close()
 
     # ---------------------------------------------------------------------------------- caller side
-    def _encoder(self) -> p.FrameEncoder:
-        local = self._local
+    def _encode(self, msg: Any) -> bytes:
+        """msg as a frame, by this thread's encoder (each keeps a buffer for the next frame)."""
         try:
-            return local.encoder  # type: ignore[no-any-return]
+            encode = self._local.encode
         except AttributeError:  # this thread's first call
-            local.encoder = p.FrameEncoder()
-            return local.encoder  # type: ignore[no-any-return]
+            encode = self._local.encode = p.FrameEncoder().encode
+        return encode(msg)  # type: ignore[no-any-return]
 
-    def _call(self, msg: Any, timeout: float | None) -> Future[Any]:
+    def _call(self, msg: Any, timeout: float | None, folded: str = "") -> Future[Any]:
+        """Send msg and return its future; folded is a kept release msg carries (see lookup)."""
         if self._closed or self._forks != _Forks.count:
             return failed(ClientClosed("the client is closed (or was created in another process)"))
         if self._state is _DOWN:  # unlocked read: failing fast must not wait for the lock
             return failed(self._unavailable())
-        expect = CONVERT[type(msg)]
-        folded = type(msg) is p.Lookup and not msg.replaces and bool(self._releases) and self._fold(msg)
         try:
-            frame = self._encoder().encode(msg)
+            frame = self._encode(msg)
         except p.ProtocolError as exc:
             if folded:
-                self._releases.appendleft(msg.replaces)  # not sent: the next call takes it
+                self._releases.appendleft(folded)  # not sent: the next call takes it
             return failed(ServiceError(str(exc)))
         if self._releases:  # ids no lookup took: Release frames, held to go out ahead of this one
             self._send_releases()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        call = Call(self, msg.id, frame, expect, deadline)
-        on_loop = threading.get_ident() == self._loop_thread
+        call = Call(self, msg.id, frame, CONVERT[type(msg)], deadline)
         with self._lock:
             channel = self._channel
-            if self._state is _READY and channel is not None and not channel.pending_out:
-                # The usual case, inline: sent at once (see _dispatch for the others).
+            if self._state is _READY and channel is not None:
+                # The usual case: sent at once (queued behind what the socket did not take yet).
                 self._pending[call.id] = call  # before the bytes leave: the reply may come at once
-                if channel.write(frame, on_loop):
+                if channel.write(frame):
                     if not self._sweeping:
-                        self._start_sweep(on_loop)
+                        self._start_sweep()
                     return call
                 del self._pending[call.id]
                 error: ServiceError | None = self._unavailable("connection lost")
             else:
-                error = self._dispatch(call, on_loop)
+                error = self._queue_or_refuse(call)
         if error is not None:
             fail(call, error)
         return call
 
-    def _fold(self, msg: p.Lookup) -> bool:
-        """Have msg end a lease release_nowait() kept (as its replaces); False when none is left."""
+    def _take_release(self) -> str:
+        """A lease id release_nowait() kept, or '' when another thread took the last one."""
         try:
-            msg.replaces = self._releases.popleft()
-        except IndexError:  # another thread took the last one meanwhile
-            return False
-        return True
+            return self._releases.popleft()
+        except IndexError:
+            return ""
 
     def _send_releases(self) -> None:
         """Send the lease ids release_nowait() kept as Release frames that get no reply (not
@@ -360,8 +360,7 @@ class ServiceClient:
         """Send a message that gets no reply: now, or once connected; dropped while down or closed."""
         if self._closed or self._forks != _Forks.count or self._state is _DOWN:
             return  # unlocked read, as in _call: the connection is gone and with it what msg names
-        frame = self._encoder().encode(msg)
-        on_loop = threading.get_ident() == self._loop_thread
+        frame = self._encode(msg)
         with self._lock:
             channel = self._channel
             if self._state is _READY and channel is not None:
@@ -372,30 +371,26 @@ class ServiceClient:
                 self._queue.append(Call(None, msg.id, frame, NO_REPLY, time.monotonic() + self.timeout))
             else:
                 return
-            self._start_sweep(on_loop)
+            self._start_sweep()
 
-    def _dispatch(self, call: Call, on_loop: bool) -> ServiceError | None:
-        """Send, queue or refuse a call (caller holds the lock); returns the error to fail it with."""
+    def _queue_or_refuse(self, call: Call) -> ServiceError | None:
+        """A call made while not connected (caller holds the lock): queued while the first connect
+        is under way, else refused; returns the error to fail it with."""
         state = self._state
-        if state == _READY and self._channel is not None:
-            self._pending[call.id] = call  # before the bytes leave: the reply may come at once
-            if not self._channel.write(call.frame, on_loop):
-                del self._pending[call.id]
-                return self._unavailable("connection lost")
-        elif state == _CONNECTING:
+        if state == _CONNECTING:
             self._queue.append(call)
         elif state == _CLOSED:
             return ClientClosed("the client is closed")
         else:
             return self._unavailable()
         if not self._sweeping:
-            self._start_sweep(on_loop)
+            self._start_sweep()
         return None
 
-    def _start_sweep(self, on_loop: bool) -> None:
+    def _start_sweep(self) -> None:
         if not self._sweeping:
             self._sweeping = True
-            if on_loop:
+            if threading.get_ident() == self._loop_thread:
                 self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
             else:
                 with contextlib.suppress(RuntimeError):  # loop closed by close() meanwhile
@@ -428,7 +423,7 @@ class ServiceClient:
                 self._queue.remove(call)
             channel = self._channel
             if channel is not None and channel.held:
-                channel.flush_held(on_loop=True)
+                channel.flush_held()
             if channel is not None and not channel.watched and not channel.reading.locked():
                 channel.watch()  # replies nobody waits for, and a lost connection, get noticed
             idle = (
@@ -461,7 +456,7 @@ class ServiceClient:
             # A caller reads them: stop watching until nobody does (see _sweep and await_reply), or
             # every reply would wake this thread too.
             channel.park()
-            self._start_sweep(on_loop=True)
+            self._start_sweep()
             return
         try:
             error = self._read(channel)
@@ -473,7 +468,12 @@ class ServiceClient:
     def _read(self, channel: Channel) -> str | None:
         """Read and deliver what arrived (holder of channel.reading); the error that lost it, if any."""
         try:
-            replies = channel.receive()
+            if channel.closed:
+                raise EOFError("connection closed by the client")
+            n = channel.sock.recv_into(channel.inbuf)
+            if not n:
+                raise EOFError("connection closed by the service")
+            replies = channel.decoder.feed(channel.inview[:n])
         except (BlockingIOError, InterruptedError):
             return None
         except (OSError, EOFError) as exc:
@@ -510,27 +510,34 @@ class ServiceClient:
         if timeout is not None and timeout <= 0.0:
             self._watch_for(channel)
             return timeout
-        if not channel.reading.acquire(blocking=False):
+        reading = channel.reading
+        if not reading.acquire(False):
             return timeout
+        # Channel.leave inline (see the finally): this runs for every call waited on.
         until = math.inf if timeout is None else time.monotonic() + timeout
-        stop = min(until, future.deadline)  # the sweep fails the call at its deadline: no reading beyond
+        stop = until if until < future.deadline else future.deadline  # the sweep fails it then
+        poll = channel.poll
         error = None
         try:
-            while future._state not in DONE and not channel.closed:
+            while future._state is PENDING and not channel.closed:
                 left = stop - time.monotonic()
-                if channel.wait_readable(left):
+                if poll(None if left == math.inf else left * 1000.0 if left > 0.0 else 0):
                     if error := self._read(channel):
                         break
                 elif left <= 0.0:
                     break
         finally:
-            channel.leave()
-            if error is None and self._pending:
+            reading.release()
+            if channel.closed:  # close() came meanwhile and left the socket to this thread
+                channel.sock.close()
+            elif error is None and self._pending:
                 self._watch_for(channel)  # other calls are in flight and nobody reads for them now
         if error is not None:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._lost, channel, error)
-        return None if timeout is None else max(0.0, until - time.monotonic())
+        if timeout is None or future._state is FINISHED:
+            return timeout  # nothing left to wait for, or no limit to it
+        return max(0.0, until - time.monotonic())
 
     def _watch_for(self, channel: Channel) -> None:
         """Have the loop thread read replies again (it stops while a caller reads them)."""
@@ -664,7 +671,7 @@ class ServiceClient:
             for call in queued:  # in the same critical section: no new call overtakes them
                 if call.expect is not NO_REPLY:
                     self._pending[call.id] = call
-                channel.write(call.frame, on_loop=True)
+                channel.write(call.frame)
         self._ready.set()
         if self._on_connect is not None:
             try:
@@ -708,10 +715,10 @@ class ServiceClient:
         deadline = time.monotonic() + self._connect_timeout
         for spec in specs:
             msg = p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
-            call = Call(None, msg.id, self._encoder().encode(msg), CONVERT[p.Hello], deadline)
+            call = Call(None, msg.id, self._encode(msg), CONVERT[p.Hello], deadline)
             with self._lock:
                 self._pending[call.id] = call
-                if not channel.write(call.frame, on_loop=True):
+                if not channel.write(call.frame):
                     raise ServiceUnavailable("connection lost during the handshake")
             futures.append(asyncio.wrap_future(call))
         try:

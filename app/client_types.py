@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from app import protocol as p
 from storage.base import ArenaInfo, LookupResult, SlotList, SlotRef, StageResult
 
@@ -81,32 +83,28 @@ class HelloReply:
         return self.arena.size
 
 
-@dataclass(frozen=True, slots=True)
-class LookupReply:
+class LookupReply(msgspec.Struct, frozen=True):
     """A lookup's result and the service instance whose slots it names."""
 
     result: LookupResult
     instance_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class StageReply:
+class StageReply(msgspec.Struct, frozen=True):
     """A stage's result and the service instance whose slots it names."""
 
     result: StageResult
     instance_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class ReserveReply:
+class ReserveReply(msgspec.Struct, frozen=True):
     """Slots to fill (None where stored already or out of space) and their service instance."""
 
     slots: list[SlotRef | None]
     instance_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class HealthReply:
+class HealthReply(msgspec.Struct, frozen=True):
     """Whether the service can serve, and each tier's state."""
 
     serving: bool

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import NamedTuple, Protocol, overload, runtime_checkable
 
+import msgspec
+
 # 2: the payload checksum is taken over segments (codec.SEGMENT), so readers verify on several threads.
 BLOB_FORMAT_VERSION = 2
 
@@ -171,12 +173,12 @@ class SlotList(Sequence[SlotRef | None]):
 
 
 # ---------------------------------------------------------------------------------------------- results
-@dataclass(frozen=True, slots=True)
-class LookupResult:
+class LookupResult(msgspec.Struct, frozen=True):
     """Answer of TieredStore.lookup: how many leading keys are stored, and where each one is.
 
     ``slots`` holds the arena slot of every hit already in the CPU tier (None for lower-tier hits), so a
-    caller whose hits are all in memory can copy without a stage() round trip.
+    caller whose hits are all in memory can copy without a stage() round trip. (A frozen msgspec
+    Struct, not a frozen dataclass: made in C, about 8x faster, and a client makes one per lookup.)
     """
 
     num_hit: int
@@ -184,8 +186,7 @@ class LookupResult:
     slots: Sequence[SlotRef | None]
 
 
-@dataclass(frozen=True, slots=True)
-class StageResult:
+class StageResult(msgspec.Struct, frozen=True):
     """Answer of TieredStore.stage: a slot per leased chunk, or None where it turned out missing.
 
     ``failed`` lists the indices (into the leased keys) that could not be staged: missing, corrupt or a

@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from storage.base import ChunkKey, Tier
+import msgspec
+
+from storage.base import ChunkKey, SlotList, Tier
 
 if TYPE_CHECKING:
     from storage.tiers.cpu import CpuEntry
@@ -24,13 +25,13 @@ if TYPE_CHECKING:
 Clock = Callable[[], float]
 
 
-@dataclass(slots=True, eq=False)
-class Lease:
+class Lease(msgspec.Struct, eq=False):
     """The chunks one lookup found: per index its key, the tier that held it and the pins taken.
 
     ``pinned[i]`` is the CPU chunk this lease pins for chunk i (a CPU hit, or a promoted lower-tier
     hit), kept as the CPU tier's entry so that unpinning needs no lookup; ``lower_pinned[i]`` says
-    whether chunk i is pinned in its lower tier instead.
+    whether chunk i is pinned in its lower tier instead. (A msgspec Struct, not a dataclass: made
+    in C, and every lookup makes one.)
     """
 
     lease_id: str
@@ -39,7 +40,10 @@ class Lease:
     pinned: list[CpuEntry | None]
     lower_pinned: list[bool]
     expires_at: float
-    failed: set[int] = field(default_factory=set)
+    failed: set[int] = msgspec.field(default_factory=set)
+    # The lookup answer's slots when every chunk is a CPU hit (see TieredStore._lease_entries): a
+    # lookup that takes over this lease's pins answers with the same slots.
+    slots: SlotList | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -68,9 +72,10 @@ class LeaseTable:
         tiers: list[Tier],
         pinned: list[CpuEntry | None],
         lower_pinned: list[bool],
+        slots: SlotList | None = None,
     ) -> Lease:
         """A lease expiring ttl from now (not yet in the table)."""
-        return Lease(lease_id, keys, tiers, pinned, lower_pinned, self._clock() + self.ttl)
+        return Lease(lease_id, keys, tiers, pinned, lower_pinned, self._clock() + self.ttl, slots=slots)
 
     def put(self, lease: Lease) -> Lease | None:
         """Add lease; returns the lease it replaced (same id), which the caller must unpin."""

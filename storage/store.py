@@ -241,12 +241,8 @@ class TieredStore:
         if self._writeback is not None:
             for entry in hits:
                 self._persist(entry)  # 'on_reuse' trigger; retries a dropped write
-        self._lease_entries(lease_id, hits, olds)
-        # Offsets and one length, as the service sends them (here and in _lookup_lower): the
-        # slots of a namespace's chunks are all chunk_bytes long (reserved so, and committed only
-        # into their own namespace). A comprehension, not map(attrgetter): 3.11 reads a struct
-        # field faster inline.
-        return LookupResult(num_hit, [_CPU] * num_hit, SlotList([e.offset for e in hits], chunk_bytes))
+        slots = self._lease_entries(lease_id, hits, olds, chunk_bytes)
+        return LookupResult(num_hit, [_CPU] * num_hit, slots)
 
     def _pop_leases(self, lease_id: str, replaces: str) -> list[Lease]:
         """Take the leases a lookup ends out of the table: lease_id's own and the one it replaces."""
@@ -256,27 +252,39 @@ class TieredStore:
             olds.append(gone)
         return olds
 
-    def _lease_entries(self, lease_id: str, hits: list[CpuEntry], olds: list[Lease]) -> None:
-        """Lease these CPU chunks under lease_id; then unpin the leases it ends (olds).
+    def _lease_entries(
+        self, lease_id: str, hits: list[CpuEntry], olds: list[Lease], chunk_bytes: int
+    ) -> SlotList:
+        """Lease these CPU chunks under lease_id, then unpin the leases it ends (olds); returns
+        their slots.
 
         A lookup repeated while its request waits finds the same chunks that the lease it ends
         already pins: the pins move over to the new lease instead of being taken and dropped once
-        per chunk (and its chunks' recency is renewed when the new lease ends, as it would be now).
+        per chunk (and its chunks' recency is renewed when the new lease ends, as it would be now),
+        and so do its slots, which are the same.
         """
         pinned: list[CpuEntry | None]
         donor = next((o for o in olds if o.pinned == hits and not any(o.lower_pinned)), None)
+        slots = None
         if donor is not None:
-            pinned, keys = donor.pinned, donor.keys
+            pinned, keys, slots = donor.pinned, donor.keys, donor.slots
             donor.pinned, donor.lower_pinned = [], []  # it holds nothing now: no one can unpin twice
         else:
             self._cpu.pin_entries(hits)  # before the old leases let go: shared chunks stay pinned
             pinned, keys = cast("list[CpuEntry | None]", hits), [e.key for e in hits]
+        if slots is None:
+            # Offsets and one length, as the service sends them (here and in _lookup_lower): the
+            # slots of a namespace's chunks are all chunk_bytes long (reserved so, and committed
+            # only into their own namespace). A comprehension, not map(attrgetter): 3.11 reads a
+            # struct field faster inline.
+            slots = SlotList([e.offset for e in hits], chunk_bytes)
         n = len(hits)
         leases = self._leases
-        leases.put(leases.new(lease_id, keys, [_CPU] * n, pinned, [False] * n))
+        leases.put(leases.new(lease_id, keys, [_CPU] * n, pinned, [False] * n, slots))
         for old in olds:
             if old is not donor:
                 self._unpin_lease(old)
+        return slots
 
     async def _lookup_lower(
         self,

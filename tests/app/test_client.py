@@ -112,9 +112,9 @@ def test_release_nowait_rides_in_the_next_lookup_that_ends_no_lease(
     decoder = p.request_decoder()
     write = Channel.write
 
-    def spy(channel: Channel, frame: bytes | bytearray, on_loop: bool) -> bool:
+    def spy(channel: Channel, frame: bytes | bytearray) -> bool:
         sent.extend(decoder.feed(bytes(channel.held) + bytes(frame)))  # held frames go first
-        return write(channel, frame, on_loop)
+        return write(channel, frame)
 
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns, keys = _stored_and_leased(client, "r1")

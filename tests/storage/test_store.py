@@ -268,6 +268,29 @@ async def test_repeating_a_lookup_keeps_one_pin_per_chunk(make) -> None:
     await settled(env)
 
 
+async def test_a_repeated_lookup_answers_with_the_slots_the_chunks_have_now(make) -> None:
+    env = await make()
+    await env.save([0, 1])
+    await env.store.flush()
+
+    def slots_now() -> list[SlotRef | None]:
+        return [env.store.cpu.get(env.key(0)), env.store.cpu.get(env.key(1))]
+
+    first = env.store.lookup_now(env.ns, [H[0], H[1]], "r")
+    assert first is not None and list(first.slots) == slots_now()
+    again = env.store.lookup_now(env.ns, [H[0], H[1]], "r2", replaces="r")  # takes the pins over
+    assert again is not None and list(again.slots) == slots_now()
+    # Chunk 1 deleted while leased and stored again: a new slot, which the next lookup names.
+    await env.store.delete(env.ns, [H[1]])
+    await env.save([1])
+    await env.store.flush()
+    assert env.store.cpu.get(env.key(1)) != again.slots[1]
+    third = env.store.lookup_now(env.ns, [H[0], H[1]], "r3", replaces="r2")
+    assert third is not None and third.num_hit == 2 and list(third.slots) == slots_now()
+    await env.store.release("r3")
+    await settled(env)
+
+
 async def test_a_lookup_ends_the_lease_it_replaces(make) -> None:
     env = await make()
     await env.save([0, 1, 2])
