@@ -279,3 +279,16 @@ class Channel:
         self.reading.release()
         if self.closed:  # checked after the release: see close()
             self.sock.close()
+
+    def receive(self) -> list:
+        """Read what arrived and decode the complete replies (holder of reading).
+
+        Raises BlockingIOError when nothing is there, OSError or EOFError when the connection is
+        gone, ProtocolError for a bad frame.
+        """
+        if self.closed:
+            raise EOFError("connection closed by the client")
+        n = self.sock.recv_into(self.inbuf)
+        if not n:
+            raise EOFError("connection closed by the service")
+        return self.decoder.feed(self.inview[:n])

@@ -233,8 +233,8 @@ class ServiceClient:
         which spares a write there and a read here. Nothing can fail that the caller could act on:
         a lease taken on a connection that is gone was released with it by the service.
         """
-        if self._closed or self._forks != _Forks.count or self._state is _DOWN:
-            return  # unlocked read, as in _call: the connection is gone and with it the lease
+        if not lease_id or self._closed or self._forks != _Forks.count or self._state is _DOWN:
+            return  # no lease named; or (unlocked read, as in _call) the connection and the lease are gone
         self._releases.append(lease_id)  # before the sweep check: see _sweep
         with self._lock:
             self._start_sweep()
@@ -348,12 +348,7 @@ class ServiceClient:
     def _send_releases(self) -> None:
         """Send the lease ids release_nowait() kept as Release frames that get no reply (not
         under the lock)."""
-        releases = self._releases
-        while releases:
-            try:
-                lease_id = releases.popleft()
-            except IndexError:
-                return
+        while lease_id := self._take_release():
             self._send_only(p.Release(id=next(self._ids), lease_id=lease_id, reply=False))
 
     def _send_only(self, msg: Any) -> None:
@@ -468,12 +463,7 @@ class ServiceClient:
     def _read(self, channel: Channel) -> str | None:
         """Read and deliver what arrived (holder of channel.reading); the error that lost it, if any."""
         try:
-            if channel.closed:
-                raise EOFError("connection closed by the client")
-            n = channel.sock.recv_into(channel.inbuf)
-            if not n:
-                raise EOFError("connection closed by the service")
-            replies = channel.decoder.feed(channel.inview[:n])
+            replies = channel.receive()
         except (BlockingIOError, InterruptedError):
             return None
         except (OSError, EOFError) as exc:
@@ -510,10 +500,8 @@ class ServiceClient:
         if timeout is not None and timeout <= 0.0:
             self._watch_for(channel)
             return timeout
-        reading = channel.reading
-        if not reading.acquire(False):
+        if not channel.reading.acquire(False):
             return timeout
-        # Channel.leave inline (see the finally): this runs for every call waited on.
         until = math.inf if timeout is None else time.monotonic() + timeout
         stop = until if until < future.deadline else future.deadline  # the sweep fails it then
         poll = channel.poll
@@ -527,10 +515,8 @@ class ServiceClient:
                 elif left <= 0.0:
                     break
         finally:
-            reading.release()
-            if channel.closed:  # close() came meanwhile and left the socket to this thread
-                channel.sock.close()
-            elif error is None and self._pending:
+            channel.leave()
+            if error is None and self._pending:
                 self._watch_for(channel)  # other calls are in flight and nobody reads for them now
         if error is not None:
             with contextlib.suppress(RuntimeError):
