@@ -483,6 +483,8 @@ class ServiceClient:
                     call.set_result(convert(reply))
                 except InvalidStateError:  # timed out meanwhile
                     pass
+                except ValueError as exc:  # a reply that decodes but says nothing consistent
+                    fail(call, ServiceError(f"bad {reply_type.__name__} from the service: {exc}"))
             else:
                 self._refused(call, reply)
         return None

@@ -126,7 +126,8 @@ def _lookup(msg: p.LookupReply) -> LookupReply:
     tiers = msg.tiers
     if not isinstance(tiers, list):  # every hit is in this tier (see protocol.LookupReply)
         tiers = [tiers] * msg.num_hit
-    return LookupReply(LookupResult(msg.num_hit, tiers, SlotList(msg.offsets, msg.lengths)), msg.instance_id)
+    slots = SlotList.from_packed(msg.offsets, msg.lengths)
+    return LookupReply(LookupResult(msg.num_hit, tiers, slots), msg.instance_id)
 
 
 def _stage(msg: p.StageReply) -> StageReply:

@@ -45,15 +45,16 @@ _first = itemgetter(0)  # a slot's offset; an ownership entry's SlotRef
 _second = itemgetter(1)  # an ownership entry's connection
 
 
-def _wire_slots(slots: Sequence[SlotRef | None]) -> tuple[list[int | None], list[int] | int]:
-    """A lookup's slots as LookupReply carries them: offsets (None for no slot) and lengths."""
-    if type(slots) is SlotList:  # TieredStore answers in that form already
-        return slots.offsets, slots.lengths
-    known = {s.length for s in slots if s is not None}
-    offsets = [None if s is None else s.offset for s in slots]
-    if len(known) <= 1:
-        return offsets, known.pop() if known else 0
-    return offsets, [0 if s is None else s.length for s in slots]
+def _wire_slots(slots: Sequence[SlotRef | None]) -> tuple[bytes, list[int] | int]:
+    """A lookup's slots as LookupReply carries them: packed offsets and lengths."""
+    if type(slots) is not SlotList:  # TieredStore answers in that form already
+        known = {s.length for s in slots if s is not None}
+        offsets = [None if s is None else s.offset for s in slots]
+        lengths: list[int] | int = (
+            known.pop() if len(known) == 1 else [0 if s is None else s.length for s in slots] if known else 0
+        )
+        slots = SlotList(offsets, lengths)
+    return slots.packed, slots.lengths
 
 
 def _replaced(msg: p.Lookup) -> str:
@@ -207,6 +208,10 @@ class Service:
                 self._now[kind] = handler
                 self._handlers[kind] = self._in_task  # queued behind an earlier call: same answer
         self._names = {kind: kind.__name__.lower() for kind in p.REQUEST_TYPES}
+        # Every call's count exists from the start (a counter at 0 is exported as one): counting
+        # is then one C-level increment.
+        self._calls = self.metrics.calls
+        self._calls.update(dict.fromkeys(self._names.values(), 0))
 
     # --------------------------------------------------------------------------- connections
     def attach(self, conn: Connection) -> None:
@@ -292,8 +297,7 @@ class Service:
             return
         kind = type(msg)
         name = self._names[kind]
-        calls = self.metrics.calls
-        calls[name] = calls.get(name, 0) + 1
+        self._calls[name] += 1
         now = self._now.get(kind)
         if now is not None and not conn.inflight and not self.draining:
             try:

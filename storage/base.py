@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -115,22 +116,62 @@ class SlotRef(NamedTuple):
     length: int
 
 
+NO_SLOT = -1  # a packed offset that names no slot (a lower-tier hit)
+PACKED_OFFSET = struct.Struct("<q")  # one offset of SlotList.packed
+NO_SLOT_PACKED = PACKED_OFFSET.pack(NO_SLOT)
+
+
 class SlotList(Sequence[SlotRef | None]):
     """Slots as offsets (None for no slot) and their one length or one length each, each SlotRef
-    made when asked for: how lookups hand out slots, which are mostly passed on, rarely read."""
+    made when asked for: how lookups hand out slots, which are mostly passed on, rarely read.
 
-    __slots__ = ("_lengths", "_offsets")
+    The offsets are kept as a list, as packed bytes (one little-endian int64 per slot, NO_SLOT for
+    none: how a lookup's reply carries them), or both; each form is made from the other once, when
+    first asked for. A client that only counts a lookup's hits never unpacks them.
+    """
+
+    __slots__ = ("_lengths", "_offsets", "_packed")
 
     def __init__(self, offsets: list[int | None], lengths: list[int] | int) -> None:
         if isinstance(lengths, list) and len(lengths) != len(offsets):
             raise ValueError(f"{len(offsets)} slot offsets but {len(lengths)} lengths")
-        self._offsets = offsets
+        self._offsets: list[int | None] | None = offsets
+        self._packed: bytes | None = None
         self._lengths = lengths
+
+    @classmethod
+    def from_packed(cls, packed: bytes, lengths: list[int] | int) -> SlotList:
+        """Slots from packed offsets (see the class docstring)."""
+        count, rest = divmod(len(packed), 8)
+        if rest:
+            raise ValueError(f"packed slot offsets of {len(packed)} bytes: not a multiple of 8")
+        if isinstance(lengths, list) and len(lengths) != count:
+            raise ValueError(f"{count} slot offsets but {len(lengths)} lengths")
+        slots = cls.__new__(cls)
+        slots._offsets, slots._packed, slots._lengths = None, packed, lengths
+        return slots
 
     @property
     def offsets(self) -> list[int | None]:
         """Each slot's offset, None where there is no slot."""
-        return self._offsets
+        offsets = self._offsets
+        if offsets is None:
+            packed = self._packed
+            assert packed is not None
+            values = struct.unpack(f"<{len(packed) // 8}q", packed)
+            offsets = self._offsets = [None if o == NO_SLOT else o for o in values]
+        return offsets
+
+    @property
+    def packed(self) -> bytes:
+        """The offsets packed: one little-endian int64 per slot, NO_SLOT where there is none."""
+        packed = self._packed
+        if packed is None:
+            offsets = self.offsets
+            packed = self._packed = struct.pack(
+                f"<{len(offsets)}q", *(NO_SLOT if o is None else o for o in offsets)
+            )
+        return packed
 
     @property
     def lengths(self) -> list[int] | int:
@@ -138,7 +179,8 @@ class SlotList(Sequence[SlotRef | None]):
         return self._lengths
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        offsets = self._offsets
+        return len(offsets) if offsets is not None else len(self._packed or b"") // 8
 
     @overload
     def __getitem__(self, index: int) -> SlotRef | None: ...
@@ -149,7 +191,15 @@ class SlotList(Sequence[SlotRef | None]):
     def __getitem__(self, index: int | slice) -> SlotRef | list[SlotRef | None] | None:
         if isinstance(index, slice):
             return list(self)[index]
-        offset = self._offsets[index]
+        offsets = self._offsets
+        if offsets is not None:
+            offset = offsets[index]
+        else:  # one slot of a packed reply: no need to unpack them all
+            packed = self._packed or b""
+            at = range(len(packed) // 8)[index]  # IndexError out of range, as a list's
+            offset = PACKED_OFFSET.unpack_from(packed, at * 8)[0]
+            if offset == NO_SLOT:
+                offset = None
         if offset is None:
             return None
         lengths = self._lengths
@@ -158,7 +208,7 @@ class SlotList(Sequence[SlotRef | None]):
     def __iter__(self) -> Iterator[SlotRef | None]:
         lengths = self._lengths
         each = repeat(lengths) if isinstance(lengths, int) else iter(lengths)
-        for offset, length in zip(self._offsets, each, strict=False):  # each may repeat forever
+        for offset, length in zip(self.offsets, each, strict=False):  # each may repeat forever
             yield None if offset is None else SlotRef(offset, length)
 
     def __eq__(self, other: object) -> bool:
@@ -170,6 +220,8 @@ class SlotList(Sequence[SlotRef | None]):
 
     def __repr__(self) -> str:
         return f"SlotList({list(self)!r})"
+
+
 
 
 # ---------------------------------------------------------------------------------------------- results

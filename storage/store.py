@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from storage.arena import Arena, SlotAllocator
 from storage.base import (
+    NO_SLOT_PACKED,
     ArenaError,
     ArenaInfo,
     ChunkKey,
@@ -273,11 +274,11 @@ class TieredStore:
             self._cpu.pin_entries(hits)  # before the old leases let go: shared chunks stay pinned
             pinned, keys = cast("list[CpuEntry | None]", hits), [e.key for e in hits]
         if slots is None:
-            # Offsets and one length, as the service sends them (here and in _lookup_lower): the
-            # slots of a namespace's chunks are all chunk_bytes long (reserved so, and committed
-            # only into their own namespace). A comprehension, not map(attrgetter): 3.11 reads a
-            # struct field faster inline.
-            slots = SlotList([e.offset for e in hits], chunk_bytes)
+            # Packed offsets and one length, as the service sends them (here and in
+            # _lookup_lower): the slots of a namespace's chunks are all chunk_bytes long (reserved
+            # so, and committed only into their own namespace). A comprehension, not
+            # map(attrgetter): 3.11 reads a struct field faster inline.
+            slots = SlotList.from_packed(b"".join([e.packed for e in hits]), chunk_bytes)
         n = len(hits)
         leases = self._leases
         leases.put(leases.new(lease_id, keys, [_CPU] * n, pinned, [False] * n, slots))
@@ -319,8 +320,8 @@ class TieredStore:
             self._leases.put(self._leases.new(lease_id, keys[:num_hit], hit_tiers, hits, lower_pinned))
         for old in olds:
             self._unpin_lease(old)
-        offsets = [None if e is None else e.offset for e in hits]
-        return LookupResult(num_hit, hit_tiers, SlotList(offsets, self._chunk_bytes_of(namespace)))
+        packed = b"".join([NO_SLOT_PACKED if e is None else e.packed for e in hits])
+        return LookupResult(num_hit, hit_tiers, SlotList.from_packed(packed, self._chunk_bytes_of(namespace)))
 
     async def _probe_lower(self, keys: list[ChunkKey], tiers: list[Tier | None]) -> None:
         """Fill tiers[i] for keys missing so far, one batched contains_many per lower tier."""

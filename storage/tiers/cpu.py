@@ -23,7 +23,7 @@ from typing import cast
 import msgspec
 
 from storage.arena import SlotAllocator
-from storage.base import ChunkKey, SlotRef, SlotStateError, Tier, TierStats
+from storage.base import PACKED_OFFSET, ChunkKey, SlotRef, SlotStateError, Tier, TierStats
 from storage.eviction import LRUPolicy
 
 
@@ -35,13 +35,14 @@ class CpuEntry(msgspec.Struct, eq=False, gc=False):
 
     key: ChunkKey
     slot: SlotRef
-    offset: int  # slot.offset, read here by lookups: a field costs half a NamedTuple attribute
+    packed: bytes  # slot.offset as a lookup's SlotList packs it (pack_offset), made once
     pins: int = 0
     persisted: bool = False  # queued for, or read from, the lower tiers: never queue it again
     indexed: bool = True  # False once deleted or replaced while still pinned
 
 
 # C-level getters for map(): batches of chunks cost no Python frame per chunk.
+pack_offset = PACKED_OFFSET.pack  # an offset as SlotList.packed holds it
 _pins_of = attrgetter("pins")  # true (non-zero) for a pinned entry: the LRU's victim predicate
 _namespace_of = itemgetter(0)  # of a ChunkKey
 _hash_of = itemgetter(1)  # of a ChunkKey
@@ -244,7 +245,7 @@ class CpuTier:
         ):
             return None
         offsets = list(map(_offset_of, slots))
-        fresh = list(map(CpuEntry, keys, slots, offsets, repeat(0), repeat(persisted)))
+        fresh = list(map(CpuEntry, keys, slots, map(pack_offset, offsets), repeat(0), repeat(persisted)))
         self._index.setdefault(namespace, {}).update(zip(hashes, fresh, strict=True))
         self._by_offset.update(zip(offsets, fresh, strict=True))
         self._publish(fresh[:])  # _publish empties the list it is given
@@ -275,7 +276,7 @@ class CpuTier:
             if slot.length != length:
                 self._publish(fresh)
                 length = slot.length
-            entry = CpuEntry(key, slot, slot.offset, 0, persisted)
+            entry = CpuEntry(key, slot, pack_offset(slot.offset), 0, persisted)
             chunks[key.prefix_hash] = entry
             by_offset[slot.offset] = entry
             fresh.append(entry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -80,6 +81,24 @@ def test_lookup_slots_are_made_from_offsets_and_lengths() -> None:
         one[3]
     with pytest.raises(ValueError, match="2 slot offsets but 1 lengths"):
         SlotList([0, 1], [4096])
+
+
+def test_lookup_slots_travel_packed_and_unpack_one_at_a_time() -> None:
+    big = 5 << 40  # an offset past 4 GiB survives the packing
+    packed = SlotList([0, None, big], 4096).packed
+    assert packed == struct.pack("<3q", 0, -1, big)  # little-endian int64 each, -1 for no slot
+    slots = SlotList.from_packed(packed, 4096)
+    assert len(slots) == 3 and slots[1] is None and slots[-1] == SlotRef(big, 4096)
+    assert slots[0] == SlotRef(0, 4096) and slots.offsets == [0, None, big]
+    assert slots == SlotList([0, None, big], 4096) and slots.packed is packed
+    each = SlotList.from_packed(struct.pack("<2q", 0, 4096), [4096, 2048])
+    assert each[1] == SlotRef(4096, 2048) and list(each) == [SlotRef(0, 4096), SlotRef(4096, 2048)]
+    with pytest.raises(IndexError):
+        SlotList.from_packed(packed, 4096)[3]
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        SlotList.from_packed(packed[:-1], 4096)
+    with pytest.raises(ValueError, match="3 slot offsets but 2 lengths"):
+        SlotList.from_packed(packed, [4096, 4096])
 
 
 def _stored_and_leased(client: ServiceClient, lease_id: str) -> tuple[str, list[bytes]]:
@@ -477,3 +496,50 @@ def test_the_sweep_leaves_alone_a_call_whose_reply_was_just_read(tmp_path: Path)
             client._pending = Racing({1: answered, 2: late})
             assert client._take_expired(time.monotonic()) == [late]
             assert not client._pending
+
+
+def test_a_lookup_reply_with_bad_packed_slots_fails_that_call_only(tmp_path: Path) -> None:
+    path = str(tmp_path / "fake.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:  # a service whose lookup replies carry 7 bytes of offsets
+        conn, _ = listener.accept()
+        enc, dec = p.FrameEncoder(), p.request_decoder()
+        with conn:
+            while data := conn.recv(1 << 16):
+                for msg in dec.feed(data):
+                    if isinstance(msg, p.Hello):
+                        reply: p.Reply = p.HelloReply(
+                            id=msg.id,
+                            version=p.PROTOCOL_VERSION,
+                            instance_id="i",
+                            arena_path="",
+                            arena_size=0,
+                        )
+                    elif isinstance(msg, p.Lookup):
+                        reply = p.LookupReply(
+                            id=msg.id,
+                            num_hit=1,
+                            tiers=Tier.CPU,
+                            offsets=b"\0" * 7,
+                            lengths=4096,
+                            instance_id="i",
+                        )
+                    else:
+                        reply = p.HealthReply(id=msg.id, serving=True, instance_id="i", tiers={})
+                    conn.sendall(enc.encode(reply))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with ServiceClient(f"unix://{path}") as client:
+            assert client.wait_connected(5)
+            with pytest.raises(ServiceError, match=r"bad LookupReply.*not a multiple of 8"):
+                client.lookup("ns", [b"k"], "l1").result(5)
+            assert client.health().result(5).serving and client.connected  # the connection goes on
+    finally:
+        listener.close()
+        os.unlink(path)
+        server.join(5)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app import protocol as p
-from storage.base import SlotRef, Tier
+from storage.base import SlotList, SlotRef, Tier
 from tests.app import SPEC, hashes
 
 H = hashes(3)
@@ -38,9 +38,21 @@ REPLIES = [
         id=2, version=1, instance_id="i", arena_path="/a", arena_size=4, namespace="n", chunk_bytes=2048
     ),
     p.LookupReply(
-        id=3, num_hit=2, tiers=[Tier.CPU, Tier.DISK], offsets=[0, None], lengths=2048, instance_id="i"
+        id=3,
+        num_hit=2,
+        tiers=[Tier.CPU, Tier.DISK],
+        offsets=SlotList([0, None], 2048).packed,
+        lengths=2048,
+        instance_id="i",
     ),
-    p.LookupReply(id=3, num_hit=2, tiers=Tier.CPU, offsets=[0, 4096], lengths=[2048, 1024], instance_id="i"),
+    p.LookupReply(
+        id=3,
+        num_hit=2,
+        tiers=Tier.CPU,
+        offsets=SlotList([0, 4096], [2048, 1024]).packed,
+        lengths=[2048, 1024],
+        instance_id="i",
+    ),
     p.StageReply(id=4, slots=[SLOTS[0], None], tiers=[Tier.CPU, Tier.REDIS], failed=[1], instance_id="i"),
     p.ReserveReply(id=5, slots=[SLOTS[1], None], instance_id="i"),
     p.OkReply(id=6),
@@ -70,24 +82,29 @@ def test_a_lookup_reply_names_one_tier_for_hits_all_in_it() -> None:
     assert p.one_value([Tier.CPU] * 3) is Tier.CPU and p.one_value([]) == []
     assert p.one_value([Tier.CPU, Tier.DISK]) == [Tier.CPU, Tier.DISK]
     one = p.FrameEncoder().encode(
-        p.LookupReply(id=1, num_hit=64, tiers=Tier.DISK, offsets=[], lengths=0, instance_id="i")
+        p.LookupReply(id=1, num_hit=64, tiers=Tier.DISK, offsets=b"", lengths=0, instance_id="i")
     )
     many = p.FrameEncoder().encode(
-        p.LookupReply(id=1, num_hit=64, tiers=[Tier.DISK] * 64, offsets=[], lengths=0, instance_id="i")
+        p.LookupReply(id=1, num_hit=64, tiers=[Tier.DISK] * 64, offsets=b"", lengths=0, instance_id="i")
     )
     assert len(many) - len(one) == 64 + 2  # one int instead of an array of 64
 
 
 def test_a_lookup_reply_is_smaller_than_one_slot_array_per_hit() -> None:
     enc = p.FrameEncoder()
-    offsets = [i << 21 for i in range(64)]
+    offsets = [(i + 1) << 31 for i in range(64)]  # arena offsets past 2 GiB: 9 bytes each as ints
+    slots = SlotList(offsets, 1 << 21)
     packed = enc.encode(
-        p.LookupReply(id=1, num_hit=64, tiers=Tier.CPU, offsets=offsets, lengths=1 << 21, instance_id="i")
+        p.LookupReply(
+            id=1, num_hit=64, tiers=Tier.CPU, offsets=slots.packed, lengths=1 << 21, instance_id="i"
+        )
     )
     per_hit = enc.encode(
-        p.StageReply(id=1, slots=[SlotRef(o, 1 << 21) for o in offsets], tiers=[], failed=[], instance_id="i")
+        p.StageReply(id=1, slots=list(slots), tiers=[], failed=[], instance_id="i")  # type: ignore[arg-type]
     )
     assert len(per_hit) - len(packed) >= 64 * 5  # each hit's array header and length are gone
+    (decoded,) = p.reply_decoder().feed(packed)
+    assert SlotList.from_packed(decoded.offsets, decoded.lengths) == slots
 
 
 def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:

@@ -14,7 +14,7 @@ from app import protocol as p
 from app.address import parse_url
 from app.client import ServiceClient
 from app.server import ServeError, check_bind
-from storage.base import Tier
+from storage.base import SlotList, Tier
 from storage.keys import namespace_id
 from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -112,7 +112,7 @@ def test_a_lookup_ends_the_lease_it_replaces_even_when_it_fails(tmp_path: Path) 
         conn.call(p.Lookup(id=4, namespace=ns, hashes=keys, lease_id="r1"))
         reply = conn.call(p.Lookup(id=5, namespace=ns, hashes=keys[:2], lease_id="r2", replaces="r1"))
         assert reply.num_hit == 2 and reply.tiers is Tier.CPU
-        assert reply.offsets == [s.offset for s in slots[:2]] and reply.lengths == slots[0].length
+        assert SlotList.from_packed(reply.offsets, reply.lengths) == slots[:2]
         assert svc.call(lambda: svc.service.owned()) == (1, 0)  # r2 only
         assert svc.call(lambda: svc.service.stats()["leases_active"]) == 1
         # A lookup the service refuses (unknown namespace) still ends the lease it replaces.
