@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -77,13 +77,14 @@ class Latency:
 class ServiceMetrics:
     """Counters the service keeps beyond the store's own: calls, hits by tier, protocol errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_names: Iterable[str] = ()) -> None:
         self.started = time.monotonic()
         self.lookups = 0
         self.lookup_chunks = 0
         self.hit_chunks = dict.fromkeys(TIER_LABELS, 0)
         self.hit_tokens = dict.fromkeys(TIER_LABELS, 0)
-        self.calls: dict[str, int] = {}
+        # Every call's count exists from the start (exported as 0): counting one is an increment.
+        self.calls: dict[str, int] = dict.fromkeys(call_names, 0)
         self.call_errors: dict[tuple[str, str], int] = {}
         self.protocol_errors: dict[str, int] = {}
         self.connections = 0

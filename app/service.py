@@ -39,6 +39,8 @@ from storage.base import (
 
 log = logging.getLogger("kvtier.service")
 
+CALL_NAMES = tuple(kind.__name__.lower() for kind in p.REQUEST_TYPES)  # as metrics count calls
+
 CLOSE_GRACE_S = 2.0  # a closed connection's unread replies may take this long before it is cut
 # C-level getters for map(): a 64-slot call costs no Python frame per slot.
 _first = itemgetter(0)  # a slot's offset; an ownership entry's SlotRef
@@ -162,7 +164,7 @@ class Service:
         self.store = store
         self.instance_id = instance_id or secrets.token_hex(8)
         self.max_frame = max_frame
-        self.metrics = ServiceMetrics()
+        self.metrics = ServiceMetrics(CALL_NAMES)
         self.connections: set[Connection] = set()
         self.draining = False
         self._token = auth_token.encode()
@@ -207,11 +209,7 @@ class Service:
             ):
                 self._now[kind] = handler
                 self._handlers[kind] = self._in_task  # queued behind an earlier call: same answer
-        self._names = {kind: kind.__name__.lower() for kind in p.REQUEST_TYPES}
-        # Every call's count exists from the start (a counter at 0 is exported as one): counting
-        # is then one C-level increment.
-        self._calls = self.metrics.calls
-        self._calls.update(dict.fromkeys(self._names.values(), 0))
+        self._names = dict(zip(p.REQUEST_TYPES, CALL_NAMES, strict=True))
 
     # --------------------------------------------------------------------------- connections
     def attach(self, conn: Connection) -> None:
@@ -297,7 +295,7 @@ class Service:
             return
         kind = type(msg)
         name = self._names[kind]
-        self._calls[name] += 1
+        self.metrics.calls[name] += 1
         now = self._now.get(kind)
         if now is not None and not conn.inflight and not self.draining:
             try:

@@ -222,8 +222,6 @@ class SlotList(Sequence[SlotRef | None]):
         return f"SlotList({list(self)!r})"
 
 
-
-
 # ---------------------------------------------------------------------------------------------- results
 class LookupResult(msgspec.Struct, frozen=True):
     """Answer of TieredStore.lookup: how many leading keys are stored, and where each one is.
