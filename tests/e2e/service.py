@@ -42,8 +42,18 @@ class RunningService:
         """Hit tokens served so far, by tier."""
         return dict(self.stats()["hit_tokens"])
 
+    def wait_leases_ended(self, timeout: float = 10) -> None:
+        """Wait (bounded) until no lease is active: the connector ends a finished request's lease
+        with release_nowait(), which reaches the service with its next call or sweep, not at once."""
+        deadline = time.monotonic() + timeout
+        while (active := self.stats()["leases_active"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if active:
+            raise AssertionError(f"{active} leases still active after {timeout} s: {self.stats()}")
+
     def clear(self, *tiers: Tier) -> int:
-        """Drop every unleased chunk of these tiers."""
+        """Drop every chunk of these tiers, once the engine's finished requests ended their leases."""
+        self.wait_leases_ended()
         return self.client.clear(list(tiers)).result(10)
 
     def arena_files(self) -> list[Path]:
