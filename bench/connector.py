@@ -12,6 +12,8 @@
     over minutes, so the miss is measured on pairs of engines in processes of their own, one with
     kvtier and one without, up side by side and sampled in turn (bench/engine_proc.py), with the
     samples of 8 pairs pooled; every sample starts once the previous one's background work is done.
+    Every engine is warmed up before it is timed (see warm_up_prompts): a fresh engine's first
+    prompts of this length take up to 2x as long, and erratically, until each KV block was used once.
     The engine with kvtier also runs fresh prompts with kvtier bypassed (its scheduler side answers
     "nothing to load or save"; the connector stays configured): ``ttft_bypassed_ratio`` is vLLM's
     cost of having a connector configured at all, and ``ttft_miss_same_engine_ratio`` (median over
@@ -312,6 +314,20 @@ def bench_scheduler_runs(model: str, tmp: Path, runs: int = SCHEDULER_RUNS) -> d
 
 
 # ------------------------------------------------------------------------------------------ (c) TTFT
+def warm_up_prompts(engine: dict[str, Any], prompt_tokens: int) -> int:
+    """How many fresh prompts of prompt_tokens an engine runs, untimed, before it is timed: enough
+    to use each of its KV blocks once.
+
+    vLLM hands out free blocks oldest-freed first, so a fresh engine's prompts go to blocks it never
+    touched until the whole KV cache was used once. Measured on this VM, two engines side by side
+    took 160-350 ms for a prompt that both ran in 155-165 ms after their first ~10 prompts; timed
+    from the start, two engines with identical settings differed by up to 1.7x.
+    """
+    from bench.models import BENCH
+
+    return int(engine["kv_cache_memory_bytes"]) // (prompt_tokens * BENCH.kv_bytes_per_token) + 1
+
+
 # The miss figure: pairs of engines in processes of their own, one with kvtier and one without, up
 # side by side and sampled in turn (see bench/engine_proc.py). One pair's ratio still moves by +-15%
 # from one pair to the next (each engine start has its own speed on this VM), so it pools 8 pairs.
@@ -342,6 +358,11 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         ):
             off.wait_ready()
             on.wait_ready()
+            for _ in range(warm_up_prompts(engine, prompt_tokens)):
+                # kvtier bypassed: the engine warms up, and no tier fills with unmeasured chunks.
+                for engine_proc, bypass in ((off, False), (on, True)):
+                    _quiesce(client)
+                    engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
             runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
             got: dict[str, list[float]] = {case: [] for case in MISS_CASES}
             for i in range(MISS_SAMPLES):
@@ -390,12 +411,14 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     the floor assumes.
     """
     from app.client import ServiceClient
+    from bench.engine_proc import kvtier_bypassed
     from storage.base import Tier
-    from tests.e2e.harness import generate, make_prompt, running_engine
+    from tests.e2e.harness import generate, generate_each, make_prompt, running_engine
 
     engine = dict(enable_prefix_caching=False, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
     prompts = [make_prompt(9000 + i, prompt_tokens) for i in range(repeat)]
     fresh_all = [make_prompt(9700 + i, prompt_tokens) for i in range(repeat)]
+    warm_up = [make_prompt(600_000 + i, prompt_tokens) for i in range(warm_up_prompts(engine, prompt_tokens))]
 
     def ttft(llm: Any, batch: list[list[int]]) -> float:
         return statistics.median(_median_time(lambda p=p: generate(llm, [p], 1), 1) for p in batch)
@@ -410,7 +433,8 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
             client = ServiceClient(url)
             client.wait_connected(10)
             with running_engine(model, _kv(url, chunk_size=256), **engine) as llm:
-                generate(llm, [make_prompt(2, 64)], 1)
+                with kvtier_bypassed(llm):  # warmed as bench_miss warms: nothing stored
+                    generate_each(llm, warm_up, 1)
                 out["ttft_miss_ms"] = ttft(llm, prompts)  # stores them
                 _wait_drained(client)
                 # The floor's one-token TTFT comes from this same engine (engines differ, see above).
@@ -428,7 +452,7 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
             client.close()
     # vLLM's own prefix cache, no kvtier: the first pass stores the prompts, the second hits.
     with running_engine(model, None, **{**engine, "enable_prefix_caching": True}) as llm:
-        generate(llm, [make_prompt(2, 64)], 1)
+        generate_each(llm, warm_up, 1)
         ttft(llm, prompts)
         out["ttft_vllm_prefix_hit_ms"] = ttft(llm, prompts)
         out["ttft_vllm_one_token_ms"] = ttft(llm, [[5]] * repeat)
