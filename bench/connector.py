@@ -329,8 +329,9 @@ def warm_up_prompts(engine: dict[str, Any], prompt_tokens: int) -> int:
 
 
 # The miss figure: pairs of engines in processes of their own, one with kvtier and one without, up
-# side by side and sampled in turn (see bench/engine_proc.py). One pair's ratio still moves by +-15%
-# from one pair to the next (each engine start has its own speed on this VM), so it pools 8 pairs.
+# side by side and sampled in turn (see bench/engine_proc.py). Even warmed up, one pair's ratio still
+# moves by +-8% from one pair to the next (each engine start has its own speed on this VM), so it
+# pools 8 pairs.
 MISS_PAIRS = 8
 MISS_SAMPLES = 9  # per case and pair
 MISS_CASES = ("off", "miss", "bypassed")
@@ -359,9 +360,9 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
             off.wait_ready()
             on.wait_ready()
             for _ in range(warm_up_prompts(engine, prompt_tokens)):
-                # kvtier bypassed: the engine warms up, and no tier fills with unmeasured chunks.
+                # kvtier bypassed: the engine warms up, and no tier fills with unmeasured chunks
+                # (so no prompt leaves background work behind: no _quiesce needed in between).
                 for engine_proc, bypass in ((off, False), (on, True)):
-                    _quiesce(client)
                     engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
             runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
             got: dict[str, list[float]] = {case: [] for case in MISS_CASES}

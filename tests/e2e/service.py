@@ -15,6 +15,7 @@ from typing import Any
 
 from app.client import ServiceClient
 from storage.base import Tier
+from tests.app import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,11 +46,8 @@ class RunningService:
     def wait_leases_ended(self, timeout: float = 10) -> None:
         """Wait (bounded) until no lease is active: the connector ends a finished request's lease
         with release_nowait(), which reaches the service with its next call or sweep, not at once."""
-        deadline = time.monotonic() + timeout
-        while (active := self.stats()["leases_active"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if active:
-            raise AssertionError(f"{active} leases still active after {timeout} s: {self.stats()}")
+        if not wait_until(lambda: self.stats()["leases_active"] == 0, timeout):
+            raise AssertionError(f"leases still active after {timeout} s: {self.stats()}")
 
     def clear(self, *tiers: Tier) -> int:
         """Drop every chunk of these tiers, once the engine's finished requests ended their leases."""
