@@ -62,6 +62,13 @@ def _median_time(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _ttft_once(llm: Any, prompt: list[int]) -> float:
+    """Seconds from submitting prompt alone to its first token."""
+    from tests.e2e.harness import generate
+
+    return _median_time(lambda: generate(llm, [prompt], 1), 1)
+
+
 # ------------------------------------------------------------------------------------------ (a) copies
 def bench_copy(repeat: int = 7) -> dict[str, float]:
     """Block copier save/load throughput vs np.copyto of the same bytes into a pre-touched mmap
@@ -419,7 +426,7 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     from app.client import ServiceClient
     from bench.engine_proc import kvtier_bypassed
     from storage.base import Tier
-    from tests.e2e.harness import generate, generate_each, make_prompt, running_engine
+    from tests.e2e.harness import generate_each, make_prompt, running_engine
 
     engine = dict(enable_prefix_caching=False, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
     prompts = [make_prompt(9000 + i, prompt_tokens) for i in range(repeat)]
@@ -427,16 +434,15 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     warm_up = [make_prompt(600_000 + i, prompt_tokens) for i in range(warm_up_prompts(engine, prompt_tokens))]
 
     def ttft(llm: Any, batch: list[list[int]]) -> float:
-        return statistics.median(_median_time(lambda p=p: generate(llm, [p], 1), 1) for p in batch)
+        return statistics.median(_ttft_once(llm, p) for p in batch)
 
     def in_turns(llm: Any, a: list[list[int]], b: list[list[int]], rounds: int = 3) -> tuple[float, float]:
         # Medians of single samples of a's and b's prompts taken in turn, rounds times over them:
         # the engine's speed drifts by several % within seconds here, and taken in turn both
         # figures see the same drift.
-        def once(prompt: list[int]) -> float:
-            return _median_time(lambda: generate(llm, [prompt], 1), 1)
-
-        pairs = [(once(x), once(y)) for _ in range(rounds) for x, y in zip(a, b, strict=True)]
+        pairs = [
+            (_ttft_once(llm, x), _ttft_once(llm, y)) for _ in range(rounds) for x, y in zip(a, b, strict=True)
+        ]
         return statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
 
     miss = bench_miss(model, tmp, engine, prompt_tokens)
@@ -523,15 +529,11 @@ def bench_hit_over_prefix_hit(
     """
     from app.client import ServiceClient
     from bench.engine_proc import kvtier_bypassed
-    from tests.e2e.harness import generate, generate_each, running_engine
-
-    def once(llm: Any, prompt: list[int]) -> float:
-        return _median_time(lambda: generate(llm, [prompt], 1), 1)
+    from tests.e2e.harness import generate_each, running_engine
 
     vllm_hits: list[float] = []
     kvtier_hits: list[float] = []
-    with _service(tmp / "svc-prefix") as url:
-        client = ServiceClient(url)
+    with _service(tmp / "svc-prefix") as url, ServiceClient(url) as client:
         client.wait_connected(10)
         with running_engine(
             model, _kv(url, chunk_size=256), **{**engine, "enable_prefix_caching": True}
@@ -542,11 +544,10 @@ def bench_hit_over_prefix_hit(
             generate_each(llm, prompts, 1)  # misses: kvtier stores them, vLLM caches them
             _wait_drained(client)
             for _ in range(rounds):
-                vllm_hits += [once(llm, p) for p in prompts]
+                vllm_hits += [_ttft_once(llm, p) for p in prompts]
                 if not llm.reset_prefix_cache():
                     raise RuntimeError("vLLM did not reset its prefix cache")
-                kvtier_hits += [once(llm, p) for p in prompts]
-        client.close()
+                kvtier_hits += [_ttft_once(llm, p) for p in prompts]
     vllm_hit, kvtier_hit = statistics.median(vllm_hits), statistics.median(kvtier_hits)
     return {  # seconds, under the _ms names bench_ttft gives them in ms
         "ttft_prefix_engine_vllm_hit_ms": vllm_hit,
