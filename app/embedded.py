@@ -257,10 +257,11 @@ def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Pope
     return proc
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, token: str, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, state: Path, token: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if probe(sock, token):
+            _wait_detached(proc, state, deadline)
             return
         if proc.poll():  # 0: the detached service serves (the probe sees it next time round)
             raise EmbeddedError(
@@ -270,6 +271,20 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, token: str, timeout: 
         time.sleep(0.02)
     proc.terminate()
     raise EmbeddedError(f"the kvtier service did not listen on {sock} within {timeout:.0f}s")
+
+
+def _wait_detached(proc: subprocess.Popen[bytes], state: Path, deadline: float) -> None:
+    """Once the service serves, wait (until deadline) for the process spawned to exit when it forked
+    the service away (app/daemon.py): it exits right after the service listens, and until then the
+    service is still in the engine's process tree, which vLLM SIGKILLs at shutdown."""
+    try:
+        pid = json.loads(state.read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return
+    if pid == proc.pid:  # not detached (no pidfd): the process spawned is the service itself
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(max(0.0, deadline - time.monotonic()))
 
 
 def ensure_service(
@@ -292,7 +307,7 @@ def ensure_service(
         sweep_dead(sock.parent)
         log.info("starting the embedded kvtier service", extra={"url": url})
         proc = _spawn(settings, sock, state)
-        _wait_ready(proc, sock, token, startup_timeout)
+        _wait_ready(proc, sock, state, token, startup_timeout)
     return url
 
 
