@@ -181,6 +181,16 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
+def _recorded(state: Path) -> tuple[int, str] | None:
+    """The pid (0 for none) and arena path ('' for none) a service wrote to its state file; None
+    when the file cannot be read or parsed."""
+    try:
+        data = json.loads(state.read_text())
+        return int(data.get("pid", 0) or 0), str(data.get("arena", "") or "")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def clean_stale(sock: Path, state: Path, token: str = "") -> bool:
     """Remove what a dead service left: its socket, its arena (if unlocked) and its state file.
 
@@ -188,11 +198,7 @@ def clean_stale(sock: Path, state: Path, token: str = "") -> bool:
     release its files) or stuck: it gets a few seconds, then SIGTERM, before its files are taken.
     Returns True (and touches nothing) when the recorded service answers after all.
     """
-    try:
-        data = json.loads(state.read_text())
-    except (OSError, ValueError):
-        data = {}
-    pid = int(data.get("pid", 0) or 0)
+    pid, arena = _recorded(state) or (0, "")
     if pid and _pid_alive(pid) and _maybe_service(pid):
         if probe(sock, token):
             return True
@@ -201,7 +207,6 @@ def clean_stale(sock: Path, state: Path, token: str = "") -> bool:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
             _wait_gone(pid, STALE_WAIT_S)
-    arena = str(data.get("arena", ""))
     if arena:
         _remove_unlocked_arena(arena)
     sock.unlink(missing_ok=True)
@@ -217,15 +222,14 @@ def sweep_dead(directory: Path) -> int:
     """
     swept = 0
     for state in directory.glob("e-*.json"):
-        try:
-            data = json.loads(state.read_text())
-            pid = int(data.get("pid", 0) or 0)
-        except (OSError, ValueError, TypeError, AttributeError):
+        recorded = _recorded(state)
+        if recorded is None:
             continue
+        pid, arena = recorded
         if pid and _pid_alive(pid) and _maybe_service(pid):
             continue  # alive, or starting (it writes its state before it listens)
-        if data.get("arena"):
-            _remove_unlocked_arena(str(data["arena"]))
+        if arena:
+            _remove_unlocked_arena(arena)
         state.with_suffix(".sock").unlink(missing_ok=True)
         state.unlink(missing_ok=True)
         swept += 1
@@ -277,11 +281,8 @@ def _wait_detached(proc: subprocess.Popen[bytes], state: Path, deadline: float) 
     """Once the service serves, wait (until deadline) for the process spawned to exit when it forked
     the service away (app/daemon.py): it exits right after the service listens, and until then the
     service is still in the engine's process tree, which vLLM SIGKILLs at shutdown."""
-    try:
-        pid = json.loads(state.read_text()).get("pid")
-    except (OSError, ValueError, AttributeError):
-        return
-    if pid == proc.pid:  # not detached (no pidfd): the process spawned is the service itself
+    recorded = _recorded(state)
+    if recorded is None or recorded[0] == proc.pid:  # not detached (no pidfd): proc is the service
         return
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(max(0.0, deadline - time.monotonic()))
