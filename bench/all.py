@@ -13,12 +13,13 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
-# (section, key, target, higher is better)
+# (section, key, target, higher is better); the targets are the strictest an issue set (#7 raised
+# Redis get to 2x, and the miss and CPU-hit TTFT lines to 1.02x and 1.5x).
 HEADLINES = [
     ("storage", "disk.put_ratio", 0.8, True),
     ("storage", "disk.get_ratio", 0.8, True),
     ("storage", "redis.put_ratio", 1.0, True),
-    ("storage", "redis.get_ratio", 1.0, True),
+    ("storage", "redis.get_ratio", 2.0, True),
     ("storage", "redis.get_ratio_parallel", 1.5, True),
     ("storage", "arena.stage_ratio", None, True),
     ("service", "lookup_p50_ratio", 3.0, False),
@@ -29,8 +30,8 @@ HEADLINES = [
     ("service", "rss_mb", 200.0, False),
     ("connector", "copy_ratio", 0.7, True),
     ("connector", "scheduler_overhead_fraction", 0.10, False),
-    ("connector", "ttft_miss_ratio", 1.05, False),
-    ("connector", "ttft_cpu_hit_floor_ratio", 2.0, False),
+    ("connector", "ttft_miss_ratio", 1.02, False),
+    ("connector", "ttft_cpu_hit_floor_ratio", 1.5, False),
     ("gpu", "copy_ratio", 0.9, True),  # only where a CUDA device is
 ]
 
