@@ -52,7 +52,10 @@ from typing import Any
 
 import numpy as np
 
+from bench.arena_dir import arena_dir
+
 ROOT = Path(__file__).resolve().parents[1]
+ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
 
 
 def _median_time(fn: Callable[[], Any], repeat: int) -> float:
@@ -152,34 +155,35 @@ def _off_the_model_core() -> Callable[[], None]:
 
 @contextlib.contextmanager
 def _service(tmp: Path, **settings: Any) -> Iterator[str]:
-    """A standalone kvtier service (`python -m app.server`) on a unix socket."""
+    """A standalone kvtier service (`python -m app.server`) on a unix socket, its arena on tmpfs."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "kvtier.sock"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.update({"KVTIER_SHM_DIR": str(tmp), "KVTIER_CPU_SIZE": "1GiB", "PYTHONPATH": str(ROOT)})
-    env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
-    with open(tmp / "service.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.server", "--url", f"unix://{sock}"],
-            env=env,
-            stdout=log,
-            stderr=log,
-            preexec_fn=_off_the_model_core(),
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((tmp / "service.log").read_text())
-            time.sleep(0.05)
-        yield f"unix://{sock}"
-    finally:
-        proc.terminate()
+    with arena_dir(tmp, ARENA_BYTES) as shm:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env.update({"KVTIER_SHM_DIR": str(shm), "KVTIER_CPU_SIZE": str(ARENA_BYTES), "PYTHONPATH": str(ROOT)})
+        env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
+        with open(tmp / "service.log", "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "app.server", "--url", f"unix://{sock}"],
+                env=env,
+                stdout=log,
+                stderr=log,
+                preexec_fn=_off_the_model_core(),
+            )
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            deadline = time.monotonic() + 30
+            while not sock.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((tmp / "service.log").read_text())
+                time.sleep(0.05)
+            yield f"unix://{sock}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
 
 
 @contextlib.contextmanager

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.arena_dir import arena_dir
 from bench.models import BENCH, WORDS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0
+ARENA_BYTES = 512 << 20  # the embedded service's CPU tier
 # vLLM's CPU build reserves one more core whenever any KV connector is configured (for NIXL's threads).
 # kvtier needs none; pinning the reservation keeps both runs on the same OpenMP thread layout, which
 # bf16 results depend on, so "identical" compares like with like.
@@ -195,7 +197,7 @@ def play(
 
 def run(rounds: int = 5, max_tokens: int = 24) -> int:
     """Run the demo; returns the exit status (0 when every output was identical)."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp, arena_dir(Path(tmp), ARENA_BYTES) as shm:
         work = Path(tmp)
         print("building a random-weight Llama (8 layers, 16 KiB of KV per token) ...", flush=True)
         model = str(build_model(work / "model", BENCH))
@@ -207,11 +209,11 @@ def run(rounds: int = 5, max_tokens: int = 24) -> int:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "cpu_size": "512MiB",
+                "cpu_size": str(ARENA_BYTES),
                 "disk_path": str(work / "disk"),
                 "chunk_size": 128,
                 "admin_port": admin,
-                "shm_dir": str(work),
+                "shm_dir": str(shm),
             },
         }
         print("vLLM without kvtier ...", flush=True)
