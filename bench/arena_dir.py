@@ -17,18 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from app.settings import KVTierSettings
+from storage.mounts import filesystem_type
 
 SHM_DIR = Path(KVTierSettings.model_fields["shm_dir"].default)
 MARGIN_BYTES = 64 << 20  # room left for the other tenants of the tmpfs
 
 
 def tmpfs_room(path: Path) -> int:
-    """Free bytes of the tmpfs mounted at path; 0 when path is not a tmpfs mount point."""
+    """Free bytes at path when a tmpfs holds it; 0 otherwise."""
+    if filesystem_type(path) != "tmpfs":
+        return 0
     try:
-        with open("/proc/self/mounts", encoding="utf-8") as mounts:
-            rows = [line.split() for line in mounts]
-        if {row[1]: row[2] for row in rows if len(row) > 2}.get(str(path)) != "tmpfs":
-            return 0
         st = os.statvfs(path)
     except OSError:
         return 0

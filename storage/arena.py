@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
+from storage.mounts import MEMORY_FILESYSTEMS, filesystem_type
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,7 @@ class Arena(ArenaMapping):
             raise ArenaError(f"shm_dir {directory} is not a directory")
         reap_stale_arenas(directory)
         _check_space(directory, size)
+        _warn_unless_in_memory(directory)
         name = f"{ARENA_PREFIX}{secrets.token_hex(8)}"
         path, new = directory / f"{name}{ARENA_SUFFIX}", directory / f"{name}{_NEW_SUFFIX}"
         try:
@@ -312,6 +314,19 @@ def _check_space(directory: Path, size: int) -> None:
         raise ArenaError(
             f"shm_dir {directory} has {free} bytes free, the arena needs {size} (lower cpu_size "
             "or enlarge the tmpfs)"
+        )
+
+
+def _warn_unless_in_memory(directory: Path) -> None:
+    # On a disk filesystem the arena is a shared file mapping: the kernel writes every page the
+    # prefault and the saves dirty back to the disk, tens of seconds later, whatever runs then.
+    kind = filesystem_type(directory)
+    if kind and kind not in MEMORY_FILESYSTEMS:
+        log.warning(
+            "shm_dir %s is on a %s filesystem, not tmpfs: the kernel will write the arena's pages back "
+            "to disk; set shm_dir (KVTIER_SHM_DIR) to a tmpfs such as /dev/shm",
+            directory,
+            kind,
         )
 
 
