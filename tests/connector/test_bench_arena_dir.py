@@ -12,9 +12,15 @@ from bench.arena_dir import arena_dir, tmpfs_room
 needs_shm = pytest.mark.skipif(tmpfs_room(module.SHM_DIR) < 64 << 20, reason="no tmpfs at /dev/shm here")
 
 
-def test_a_disk_directory_is_not_tmpfs(tmp_path: Path) -> None:
-    assert tmpfs_room(tmp_path) == 0
-    assert tmpfs_room(Path("/no/such/dir")) == 0
+@pytest.mark.parametrize(
+    ("kind", "has_room"), [("ext4", False), ("overlay", False), ("", False), ("tmpfs", True)]
+)
+def test_only_a_tmpfs_has_room_for_the_arena(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, has_room: bool
+) -> None:
+    monkeypatch.setattr(module, "filesystem_type", lambda _path: kind)
+    assert (tmpfs_room(tmp_path) > 0) is has_room
+    assert tmpfs_room(tmp_path / "no-such-dir") == 0
 
 
 @needs_shm
