@@ -10,28 +10,26 @@ with room is at hand does the arena go to the fallback directory, and the run sa
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from app.settings import KVTierSettings
-from storage.mounts import filesystem_type
+from storage.mounts import MEMORY_FILESYSTEMS, filesystem_type, free_bytes
 
 SHM_DIR = Path(KVTierSettings.model_fields["shm_dir"].default)
 MARGIN_BYTES = 64 << 20  # room left for the other tenants of the tmpfs
 
 
 def tmpfs_room(path: Path) -> int:
-    """Free bytes at path when a tmpfs holds it; 0 otherwise."""
-    if filesystem_type(path) != "tmpfs":
+    """Free bytes at path when a filesystem in memory (tmpfs) holds it; 0 otherwise."""
+    if filesystem_type(path) not in MEMORY_FILESYSTEMS:
         return 0
     try:
-        st = os.statvfs(path)
+        return free_bytes(path)
     except OSError:
         return 0
-    return st.f_bavail * st.f_frsize
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
-from storage.mounts import MEMORY_FILESYSTEMS, filesystem_type
+from storage.mounts import MEMORY_FILESYSTEMS, filesystem_type, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +308,7 @@ class Arena(ArenaMapping):
 
 def _check_space(directory: Path, size: int) -> None:
     # A full tmpfs would SIGBUS the first writer of an unbacked page: refuse at start instead.
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(directory)
     if free < size:
         raise ArenaError(
             f"shm_dir {directory} has {free} bytes free, the arena needs {size} (lower cpu_size "

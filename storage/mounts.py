@@ -1,4 +1,4 @@
-"""Which filesystem holds a path, from this process's mount table (/proc/self/mounts)."""
+"""Which filesystem holds a path (from this process's mount table, /proc/self/mounts), and its room."""
 
 from __future__ import annotations
 
@@ -39,3 +39,9 @@ def filesystem_type(path: str | os.PathLike[str]) -> str:
     except OSError:
         return ""
     return fs_type_in(os.path.realpath(path), rows)
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding path (OSError if none)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
