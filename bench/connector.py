@@ -19,7 +19,13 @@
     The engine with kvtier also runs fresh prompts with kvtier bypassed (its scheduler side answers
     "nothing to load or save"; the connector stays configured): ``ttft_bypassed_ratio`` is vLLM's
     cost of having a connector configured at all, and ``ttft_miss_same_engine_ratio`` (median over
-    every miss / bypassed pair) kvtier's own cost on a miss's critical path.
+    every miss / bypassed pair) kvtier's own cost on a miss's critical path. ``ttft_ms_by_phase`` splits
+    each case's TTFT (medians, bench/phases.py): the model's forward, kvtier's connector hooks
+    (scheduler and worker side), and vLLM's work besides both. ``ttft_miss_forward_ratio`` compares
+    the forwards alone, in which no kvtier code runs (its per-layer hooks are left out): a gap there
+    is the other process computing more slowly, or kvtier's threads taking its cores, not kvtier's
+    code on the prompt's path, which ``ttft_miss_kvtier_fraction`` gives as a share of the TTFT
+    without kvtier.
     ``ttft_miss_ratio_all_tiers`` adds Redis, whose write-through of every missed chunk competes for
     this machine's two cores with the next prefill.
     For scale, an engine without kvtier and with vLLM's own prefix cache runs the same prompts
@@ -53,6 +59,8 @@ from typing import Any
 import numpy as np
 
 from bench.arena_dir import arena_dir
+from bench.engine_proc import EngineProcess, Sample, kvtier_bypassed
+from bench.phases import SCHEDULER_HOOKS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
@@ -244,12 +252,6 @@ def _wait_drained(client: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- (b) scheduler share
-# Every connector method vLLM's scheduler calls on its own thread while serving.
-SCHEDULER_HOOKS = (
-    "on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
-    "get_external_cache_hit_sources", "build_connector_meta", "request_finished",
-    "update_connector_output", "get_kv_connector_stats",
-)  # fmt: skip
 
 
 def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str, Any]:
@@ -361,12 +363,11 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     background work (the save copy, the service's disk writes) is done, whatever its case."""
     from app.affinity import engine_cpus
     from app.client import ServiceClient
-    from bench.engine_proc import EngineProcess
     from tests.e2e.harness import make_prompt
 
     cpus = engine_cpus()  # not the one core an in-process engine may have bound this thread to
     seeds = iter(range(20_000, 1_000_000))
-    taken: dict[str, list[list[float]]] = {case: [] for case in MISS_CASES}
+    taken: dict[str, list[list[Sample]]] = {case: [] for case in MISS_CASES}
     for pair in range(MISS_PAIRS):
         # The tiers a user gets by default: CPU + disk, as embedded mode runs them.
         with (
@@ -383,27 +384,38 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
                 for engine_proc, bypass in ((off, False), (on, True)):
                     engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
             runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
-            got: dict[str, list[float]] = {case: [] for case in MISS_CASES}
+            got: dict[str, list[Sample]] = {case: [] for case in MISS_CASES}
             for i in range(MISS_SAMPLES):
                 # Each case goes first in turn, so none always follows the same other.
                 for case, engine_proc, bypass in runs[i % 3 :] + runs[: i % 3]:
                     _quiesce(client)
-                    got[case].append(engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass))
+                    got[case].append(engine_proc.sample(make_prompt(next(seeds), prompt_tokens), bypass))
             for case in MISS_CASES:
                 taken[case].append(got[case])
 
-    def pooled(case: str) -> float:
-        return statistics.median(t for samples in taken[case] for t in samples)
+    def pooled(case: str, phase: str = "ttft") -> float:
+        return statistics.median(getattr(s, phase) for samples in taken[case] for s in samples)
 
     def per_pair(case: str) -> list[float]:
-        return [statistics.median(samples) for samples in taken[case]]
+        return [statistics.median(s.ttft for s in samples) for samples in taken[case]]
 
     ratios = [m / o for m, o in zip(per_pair("miss"), per_pair("off"), strict=True)]
     same_engine = [
-        m / b
+        m.ttft / b.ttft
         for ms, bs in zip(taken["miss"], taken["bypassed"], strict=True)
         for m, b in zip(ms, bs, strict=True)
     ]
+    # Each sample's time split: the model's forward, kvtier's hooks, and vLLM's work besides both.
+    phase_ms = {
+        case: {
+            "forward": round(1000 * pooled(case, "forward"), 2),
+            "kvtier": round(1000 * pooled(case, "kvtier"), 3),
+            "other": round(
+                1000 * statistics.median(s.ttft - s.forward - s.kvtier for ss in taken[case] for s in ss), 2
+            ),
+        }
+        for case in MISS_CASES
+    }
     return {
         "miss_pairs": MISS_PAIRS,
         "miss_samples_per_pair": MISS_SAMPLES,
@@ -419,6 +431,10 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         "ttft_miss_ratio_geomean": round(float(np.exp(np.mean(np.log(ratios)))), 3),
         "ttft_bypassed_ratio": round(pooled("bypassed") / pooled("off"), 3),
         "ttft_miss_same_engine_ratio": round(statistics.median(same_engine), 3),
+        "ttft_ms_by_phase": phase_ms,
+        "ttft_miss_forward_ratio": round(pooled("miss", "forward") / pooled("off", "forward"), 3),
+        "ttft_bypassed_forward_ratio": round(pooled("bypassed", "forward") / pooled("off", "forward"), 3),
+        "ttft_miss_kvtier_fraction": round(pooled("miss", "kvtier") / pooled("off"), 4),
     }
 
 
@@ -430,7 +446,6 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     the floor assumes.
     """
     from app.client import ServiceClient
-    from bench.engine_proc import kvtier_bypassed
     from storage.base import Tier
     from tests.e2e.harness import generate_each, make_prompt, running_engine
 
@@ -535,7 +550,6 @@ def bench_hit_over_prefix_hit(
     every prompt (which vLLM caches again). Medians of single samples, in seconds.
     """
     from app.client import ServiceClient
-    from bench.engine_proc import kvtier_bypassed
     from tests.e2e.harness import generate_each, running_engine
 
     vllm_hits: list[float] = []

@@ -4,6 +4,9 @@ Two of these, one with kvtier and one without, stay up side by side and take tur
 between them is not skewed by this VM drifting over time: engines started one after another on it
 differ by up to 40% for the same prompts, while two engines sampled in turn see the same drift.
 Only one of them computes at a time; the other waits in ``Connection.recv``, using no CPU.
+Each sample also says how long the model's forward took and how long kvtier's hooks did
+(bench/phases.py), so a gap between the two engines can be told apart: kvtier's own work on the
+prompt's path, or the same forward running slower in the other process.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -21,6 +25,15 @@ from typing import Any
 # A start loads vLLM and builds the engine; several minutes means it is stuck.
 START_TIMEOUT_S = 600.0
 SAMPLE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt timed in the engine: seconds to its first token, and two phases of that time."""
+
+    ttft: float
+    forward: float  # the model's forward (kvtier's per-layer hooks left out)
+    kvtier: float  # kvtier's connector hooks, scheduler and worker side (0 without kvtier)
 
 
 @contextlib.contextmanager
@@ -37,37 +50,52 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
         "build_connector_meta": lambda scheduler_output: KVTierMetadata(),
         "request_finished": lambda request, block_ids: (False, None),
     }
+    # What an instance attribute held before (a timer of bench/phases.py) comes back afterwards.
+    before = {name: vars(conn)[name] for name in stand_ins if name in vars(conn)}
     for name, fn in stand_ins.items():
         setattr(conn, name, fn)  # instance attributes shadow the methods
     try:
         yield
     finally:
         for name in stand_ins:
-            delattr(conn, name)
+            if name in before:
+                setattr(conn, name, before[name])
+            else:
+                delattr(conn, name)
 
 
 def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
            cpus: frozenset[int]) -> None:  # fmt: skip
-    """The child: start the engine, then answer ("ttft", prompt, bypass) with seconds until None."""
+    """The child: start the engine, then answer ("ttft", prompt, bypass) with a Sample until None."""
     try:
         os.dup2(2, 1)  # vLLM logs to stdout: keep the parent's stdout (its --json output) clean
         from app.affinity import run_on
 
         run_on(cpus)  # the parent may already be bound to one core by an in-process engine
+        from bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock, model_runner
         from tests.e2e.harness import generate, make_prompt, running_engine
+        from tests.e2e.introspect import scheduler_connector, worker_connector
 
         with running_engine(model, kv_config, **engine) as llm:
             generate(llm, [make_prompt(2, 64)], 1)  # warm up
+            clock = PhaseClock()
+            clock.time_forward(model_runner(llm))
+            if kv_config is not None:
+                clock.time_hooks(scheduler_connector(llm), SCHEDULER_HOOKS)
+                clock.time_hooks(worker_connector(), WORKER_HOOKS)
             conn.send(("ready", None))
             while (request := conn.recv()) is not None:
                 _, prompt, bypass = request
+                clock.take()  # from here on
                 start = time.perf_counter()
                 if bypass:
                     with kvtier_bypassed(llm):
                         generate(llm, [prompt], 1)
                 else:
                     generate(llm, [prompt], 1)
-                conn.send(("ttft", time.perf_counter() - start))
+                took = time.perf_counter() - start
+                phases = clock.take()
+                conn.send(("ttft", Sample(took, phases.forward, phases.kvtier)))
     except BaseException:  # reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -108,9 +136,16 @@ class EngineProcess:
 
     def ttft(self, prompt: list[int], bypass: bool = False) -> float:
         """Seconds to prefill prompt and return its first token; bypass: kvtier answers "nothing"."""
+        return self.sample(prompt, bypass).ttft
+
+    def sample(self, prompt: list[int], bypass: bool = False) -> Sample:
+        """ttft() with the forward's and kvtier's shares of it."""
         self.wait_ready()
         self._conn.send(("ttft", prompt, bypass))
-        return float(self._answer(SAMPLE_TIMEOUT_S))
+        sample = self._answer(SAMPLE_TIMEOUT_S)
+        if not isinstance(sample, Sample):
+            raise RuntimeError(f"engine process {self._proc.pid} answered {sample!r}, not a Sample")
+        return sample
 
     def close(self) -> None:
         """Shut the engine down and reap the child (killed if it does not exit in time)."""

@@ -1,0 +1,134 @@
+"""The benchmark's split of a prompt's time into the forward and kvtier's hooks (bench/phases.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from bench.engine_proc import kvtier_bypassed
+from bench.phases import PhaseClock, model_runner
+
+
+class _Clock:
+    """A stand-in for time.perf_counter that each test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Runner:
+    def __init__(self, clock: _Clock, connector: Any) -> None:
+        self.clock, self.connector = clock, connector
+
+    def _model_forward(self) -> str:
+        self.clock.now += 0.100
+        self.connector.wait_for_layer_load("layer.0")  # a per-layer hook, inside the forward
+        self.clock.now += 0.050
+        return "hidden"
+
+
+class _Connector:
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.clock.now += 0.002
+
+    def wait_for_save(self) -> None:
+        self.clock.now += 0.010
+
+    def get_finished(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        self.clock.now += 0.004
+        raise RuntimeError("boom")
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr("bench.phases.time.perf_counter", fake)
+    return fake
+
+
+def test_hooks_inside_the_forward_count_as_kvtier_and_not_as_forward(clock: _Clock) -> None:
+    connector = _Connector(clock)
+    runner = _Runner(clock, connector)
+    phases = PhaseClock()
+    phases.time_forward(runner)
+    phases.time_hooks(connector, ["wait_for_layer_load", "wait_for_save", "not_a_method"])
+
+    assert runner._model_forward() == "hidden"
+    connector.wait_for_save()
+    took = phases.take()
+    assert took.forward == pytest.approx(0.150)
+    assert took.kvtier == pytest.approx(0.012)
+    # take() starts afresh
+    assert phases.take().forward == 0.0
+
+
+def test_a_hook_that_raises_is_still_counted_and_restore_puts_the_methods_back(clock: _Clock) -> None:
+    connector = _Connector(clock)
+    phases = PhaseClock()
+    phases.time_hooks(connector, ["get_finished", "wait_for_save"])
+    assert "get_finished" in vars(connector)
+
+    clock.now = 1.0
+    with pytest.raises(RuntimeError, match="boom"):
+        connector.get_finished(set())
+    assert phases.take().kvtier == pytest.approx(0.004)
+    connector.wait_for_save()
+    assert phases.take().kvtier == pytest.approx(0.010)
+
+    phases.restore()
+    assert "get_finished" not in vars(connector) and "wait_for_save" not in vars(connector)
+    connector.wait_for_save()
+    assert phases.take().kvtier == 0.0  # no longer timed
+
+
+def test_bypassing_kvtier_keeps_the_timers_it_shadowed() -> None:
+    class Scheduler:
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 5, False
+
+    connector = Scheduler()
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            engine_core=SimpleNamespace(
+                engine_core=SimpleNamespace(scheduler=SimpleNamespace(connector=connector))
+            )
+        )
+    )
+    phases = PhaseClock()
+    phases.time_hooks(connector, ["get_num_new_matched_tokens"])
+    timer = vars(connector)["get_num_new_matched_tokens"]
+
+    with kvtier_bypassed(llm):
+        assert connector.get_num_new_matched_tokens(None, 0) == (0, False)
+        assert "build_connector_meta" in vars(connector)
+    assert vars(connector)["get_num_new_matched_tokens"] is timer  # the timer, not the stand-in
+    assert "build_connector_meta" not in vars(connector)  # nothing was there before: removed
+    assert connector.get_num_new_matched_tokens(None, 0) == (5, False)
+
+
+def test_model_runner_is_found_under_the_worker_wrapper_or_the_worker() -> None:
+    runner = object()
+    wrapped = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
+    bare = SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
+    for executor in (wrapped, bare):
+        llm = SimpleNamespace(
+            llm_engine=SimpleNamespace(
+                engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=executor))
+            )
+        )
+        assert model_runner(llm) is runner
+    empty = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            engine_core=SimpleNamespace(engine_core=SimpleNamespace(model_executor=SimpleNamespace()))
+        )
+    )
+    with pytest.raises(RuntimeError, match="no model runner"):
+        model_runner(empty)
