@@ -60,7 +60,7 @@ import numpy as np
 
 from bench.arena_dir import arena_dir
 from bench.engine_proc import EngineProcess, Sample, kvtier_bypassed
-from bench.phases import SCHEDULER_HOOKS
+from bench.phases import SCHEDULER_HOOKS, PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
 ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
@@ -263,42 +263,11 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
     """
     from tests.e2e.engine_core import run_engine_core  # the same driver the tests use
 
-    timers = {"connector": 0.0, "connector_in_schedule": 0.0, "schedule": 0.0, "steps": 0}
-    per_hook = dict.fromkeys(SCHEDULER_HOOKS, 0.0)
-    inside = [False]
-
-    def hook(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent = time.perf_counter() - start
-                timers["connector"] += spent
-                per_hook[name] += spent
-                if inside[0]:
-                    timers["connector_in_schedule"] += spent
-
-        return timed
+    clock = PhaseClock()
 
     def instrument(core: Any) -> None:
-        sched = core.scheduler
-        conn = sched.connector
-        for name in SCHEDULER_HOOKS:
-            setattr(conn, name, hook(name, getattr(conn, name)))
-        schedule = sched.schedule
-
-        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
-            inside[0] = True
-            start = time.perf_counter()
-            try:
-                return schedule(*args, **kwargs)
-            finally:
-                timers["schedule"] += time.perf_counter() - start
-                timers["steps"] += 1
-                inside[0] = False
-
-        sched.schedule = timed_schedule
+        clock.time_hooks(core.scheduler.connector, SCHEDULER_HOOKS)
+        clock.time_span(core.scheduler, "schedule")
 
     prompts = [list(np.random.default_rng(i).integers(2, 1000, 96)) for i in range(num_requests)]
     prompts = [[int(t) for t in p] for p in prompts]
@@ -308,15 +277,14 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
             enable_prefix_caching=False, max_num_seqs=num_requests, max_model_len=256,
             on_start=instrument,
         )  # fmt: skip
-    own = timers["schedule"] - timers["connector_in_schedule"]
+    took = clock.take()
+    steps = max(1, took.calls)
     return {
-        "steps": timers["steps"],
-        "schedule_ms_per_step": round(1000 * own / max(1, timers["steps"]), 3),
-        "connector_ms_per_step": round(1000 * timers["connector"] / max(1, timers["steps"]), 3),
-        "scheduler_overhead_fraction": round(timers["connector"] / max(own, 1e-9), 4),
-        "hook_ms_per_step": {
-            name: round(1000 * spent / max(1, timers["steps"]), 4) for name, spent in per_hook.items()
-        },
+        "steps": took.calls,
+        "schedule_ms_per_step": round(1000 * took.span / steps, 3),
+        "connector_ms_per_step": round(1000 * took.hooks / steps, 3),
+        "scheduler_overhead_fraction": round(took.hooks / max(took.span, 1e-9), 4),
+        "hook_ms_per_step": {name: round(1000 * spent / steps, 4) for name, spent in took.by_hook.items()},
     }
 
 

@@ -79,7 +79,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
         with running_engine(model, kv_config, **engine) as llm:
             generate(llm, [make_prompt(2, 64)], 1)  # warm up
             clock = PhaseClock()
-            clock.time_forward(model_runner(llm))
+            clock.time_span(model_runner(llm), "_model_forward")
             if kv_config is not None:
                 clock.time_hooks(scheduler_connector(llm), SCHEDULER_HOOKS)
                 clock.time_hooks(worker_connector(), WORKER_HOOKS)
@@ -95,7 +95,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
                     generate(llm, [prompt], 1)
                 took = time.perf_counter() - start
                 phases = clock.take()
-                conn.send(("ttft", Sample(took, phases.forward, phases.kvtier)))
+                conn.send(("ttft", Sample(took, phases.span, phases.hooks)))
     except BaseException:  # reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
     finally:

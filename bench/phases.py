@@ -1,17 +1,17 @@
-"""Where a prompt's time goes inside an in-process engine: the model's forward, and kvtier's own code.
+"""Where an engine's time goes: one of vLLM's own calls (the model's forward, the scheduler's
+``schedule()``), and kvtier's connector hooks.
 
-``PhaseClock`` times the model runner's forward and every connector method vLLM calls, scheduler
-side and worker side, by wrapping them on their objects. The per-layer hooks (``wait_for_layer_load``,
-``save_kv_layer``) run inside the forward: their time counts as kvtier's and is taken out of the
-forward's, so the two phases never overlap. What a prompt took besides both is vLLM's own work
-outside the forward (scheduling, sampling, outputs).
+``PhaseClock`` times one vLLM method (the span) and every connector method vLLM calls, by wrapping
+them on their objects. Hooks that run inside the span (the per-layer hooks inside the forward, the
+scheduler hooks inside ``schedule()``) count as kvtier's time and are taken out of the span's, so
+the two phases never overlap.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Every connector method vLLM calls on its scheduler thread while serving.
@@ -32,51 +32,56 @@ WORKER_HOOKS = (
 class Phases:
     """Seconds spent in each phase since the clock was last read."""
 
-    forward: float  # the model's forward, kvtier's per-layer hooks left out
-    kvtier: float  # every connector method, scheduler and worker side
+    span: float  # the timed vLLM call, the hooks it ran left out
+    hooks: float  # every timed connector hook, inside the span or not
+    calls: int = 0  # how many times the span ran
+    by_hook: dict[str, float] = field(default_factory=dict)
 
 
 class PhaseClock:
-    """Times the forward and the connector hooks of one engine; ``take()`` reads and resets."""
+    """Times one vLLM call and the connector hooks of one engine; ``take()`` reads and resets."""
 
     def __init__(self) -> None:
-        self._forward = 0.0
-        self._kvtier = 0.0
-        self._kvtier_in_forward = 0.0
-        self._in_forward = False
+        self._span = 0.0
+        self._calls = 0
+        self._hooks: dict[str, float] = {}
+        self._hooks_in_span = 0.0
+        self._in_span = False
         self._wrapped: list[tuple[Any, str]] = []
 
-    def time_forward(self, runner: Any, name: str = "_model_forward") -> None:
-        """Count runner.name (the model's forward) as the forward phase."""
-        inner = getattr(runner, name)
+    def time_span(self, obj: Any, name: str) -> None:
+        """Count obj.name (the model's forward, or schedule()) as the span."""
+        inner = getattr(obj, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self._in_forward = True
+            self._in_span = True
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self._forward += time.perf_counter() - start
-                self._in_forward = False
+                self._span += time.perf_counter() - start
+                self._calls += 1
+                self._in_span = False
 
-        self._wrap(runner, name, timed)
+        self._wrap(obj, name, timed)
 
     def time_hooks(self, connector: Any, names: Iterable[str]) -> None:
         """Count these methods of connector, those it has, as kvtier's phase."""
         for name in names:
             if hasattr(connector, name):
-                self._wrap(connector, name, self._hook(getattr(connector, name)))
+                self._hooks.setdefault(name, 0.0)
+                self._wrap(connector, name, self._hook(name, getattr(connector, name)))
 
-    def _hook(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _hook(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - start
-                self._kvtier += spent
-                if self._in_forward:
-                    self._kvtier_in_forward += spent
+                self._hooks[name] += spent
+                if self._in_span:
+                    self._hooks_in_span += spent
 
         return timed
 
@@ -86,8 +91,12 @@ class PhaseClock:
 
     def take(self) -> Phases:
         """The phases' seconds since the last take(), and start counting afresh."""
-        phases = Phases(self._forward - self._kvtier_in_forward, self._kvtier)
-        self._forward = self._kvtier = self._kvtier_in_forward = 0.0
+        phases = Phases(
+            self._span - self._hooks_in_span, sum(self._hooks.values()), self._calls, dict(self._hooks)
+        )
+        self._span = self._hooks_in_span = 0.0
+        self._calls = 0
+        self._hooks = dict.fromkeys(self._hooks, 0.0)
         return phases
 
     def restore(self) -> None:

@@ -1,4 +1,4 @@
-"""The benchmark's split of a prompt's time into the forward and kvtier's hooks (bench/phases.py)."""
+"""The benchmarks' split of an engine's time into one vLLM call and kvtier's hooks (bench/phases.py)."""
 
 from __future__ import annotations
 
@@ -58,16 +58,21 @@ def test_hooks_inside_the_forward_count_as_kvtier_and_not_as_forward(clock: _Clo
     connector = _Connector(clock)
     runner = _Runner(clock, connector)
     phases = PhaseClock()
-    phases.time_forward(runner)
+    phases.time_span(runner, "_model_forward")
     phases.time_hooks(connector, ["wait_for_layer_load", "wait_for_save", "not_a_method"])
 
     assert runner._model_forward() == "hidden"
+    assert runner._model_forward() == "hidden"
     connector.wait_for_save()
     took = phases.take()
-    assert took.forward == pytest.approx(0.150)
-    assert took.kvtier == pytest.approx(0.012)
+    assert took.span == pytest.approx(0.300)  # two forwards of 0.152, their hooks left out
+    assert took.calls == 2
+    assert took.hooks == pytest.approx(0.014)
+    assert took.by_hook == pytest.approx({"wait_for_layer_load": 0.004, "wait_for_save": 0.010})
     # take() starts afresh
-    assert phases.take().forward == 0.0
+    again = phases.take()
+    assert (again.span, again.hooks, again.calls) == (0.0, 0.0, 0)
+    assert again.by_hook == {"wait_for_layer_load": 0.0, "wait_for_save": 0.0}
 
 
 def test_a_hook_that_raises_is_still_counted_and_restore_puts_the_methods_back(clock: _Clock) -> None:
@@ -79,14 +84,14 @@ def test_a_hook_that_raises_is_still_counted_and_restore_puts_the_methods_back(c
     clock.now = 1.0
     with pytest.raises(RuntimeError, match="boom"):
         connector.get_finished(set())
-    assert phases.take().kvtier == pytest.approx(0.004)
+    assert phases.take().hooks == pytest.approx(0.004)
     connector.wait_for_save()
-    assert phases.take().kvtier == pytest.approx(0.010)
+    assert phases.take().hooks == pytest.approx(0.010)
 
     phases.restore()
     assert "get_finished" not in vars(connector) and "wait_for_save" not in vars(connector)
     connector.wait_for_save()
-    assert phases.take().kvtier == 0.0  # no longer timed
+    assert phases.take().hooks == 0.0  # no longer timed
 
 
 def test_bypassing_kvtier_keeps_the_timers_it_shadowed() -> None:
