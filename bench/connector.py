@@ -25,7 +25,7 @@
     the forwards alone, in which no kvtier code runs (its per-layer hooks are left out): a gap there
     is the other process computing more slowly, or kvtier's threads taking its cores, not kvtier's
     code on the prompt's path, which ``ttft_miss_kvtier_fraction`` gives as a share of the TTFT
-    without kvtier.
+    without kvtier (``ttft_miss_kvtier_by_hook``: each hook's median ms on a miss).
     ``ttft_miss_ratio_all_tiers`` adds Redis, whose write-through of every missed chunk competes for
     this machine's two cores with the next prefill.
     For scale, an engine without kvtier and with vLLM's own prefix cache runs the same prompts
@@ -384,6 +384,12 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         }
         for case in MISS_CASES
     }
+    # Where kvtier's time on a miss goes: each hook's median, in ms.
+    misses = [s for samples in taken["miss"] for s in samples]
+    kvtier_by_hook = {
+        name: round(1000 * statistics.median(s.by_hook.get(name, 0.0) for s in misses), 3)
+        for name in sorted({name for s in misses for name in s.by_hook})
+    }
     return {
         "miss_pairs": MISS_PAIRS,
         "miss_samples_per_pair": MISS_SAMPLES,
@@ -403,6 +409,7 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         "ttft_miss_forward_ratio": round(pooled("miss", "forward") / pooled("off", "forward"), 3),
         "ttft_bypassed_forward_ratio": round(pooled("bypassed", "forward") / pooled("off", "forward"), 3),
         "ttft_miss_kvtier_fraction": round(pooled("miss", "kvtier") / pooled("off"), 4),
+        "ttft_miss_kvtier_by_hook": kvtier_by_hook,
     }
 
 

@@ -17,7 +17,7 @@ import os
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -34,6 +34,7 @@ class Sample:
     ttft: float
     forward: float  # the model's forward (kvtier's per-layer hooks left out)
     kvtier: float  # kvtier's connector hooks, scheduler and worker side (0 without kvtier)
+    by_hook: dict[str, float] = field(default_factory=dict)  # kvtier's time by hook
 
 
 @contextlib.contextmanager
@@ -95,7 +96,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
                     generate(llm, [prompt], 1)
                 took = time.perf_counter() - start
                 phases = clock.take()
-                conn.send(("ttft", Sample(took, phases.span, phases.hooks)))
+                conn.send(("ttft", Sample(took, phases.span, phases.hooks, phases.by_hook)))
     except BaseException:  # reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
     finally:
