@@ -31,6 +31,9 @@ HEADLINES = [
     ("connector", "copy_ratio", 0.7, True),
     ("connector", "scheduler_overhead_fraction", 0.10, False),
     ("connector", "ttft_miss_ratio", 1.02, False),
+    # What of a miss's gap is the forward (no kvtier code runs there) and what is kvtier's hooks.
+    ("connector", "ttft.ttft_miss_forward_ratio", None, False),
+    ("connector", "ttft.ttft_miss_kvtier_fraction", None, False),
     ("connector", "ttft_cpu_hit_floor_ratio", 1.5, False),
     ("gpu", "copy_ratio", 0.9, True),  # only where a CUDA device is
 ]
