@@ -33,8 +33,12 @@ class Sample:
 
     ttft: float
     forward: float  # the model's forward (kvtier's per-layer hooks left out)
-    kvtier: float  # kvtier's connector hooks, scheduler and worker side (0 without kvtier)
-    by_hook: dict[str, float] = field(default_factory=dict)  # kvtier's time by hook
+    by_hook: dict[str, float] = field(default_factory=dict)  # kvtier's time by connector hook
+
+    @property
+    def kvtier(self) -> float:
+        """kvtier's connector hooks, scheduler and worker side (0 without kvtier)."""
+        return sum(self.by_hook.values())
 
 
 @contextlib.contextmanager
@@ -96,7 +100,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
                     generate(llm, [prompt], 1)
                 took = time.perf_counter() - start
                 phases = clock.take()
-                conn.send(("ttft", Sample(took, phases.span, phases.hooks, phases.by_hook)))
+                conn.send(("ttft", Sample(took, phases.span, phases.by_hook)))
     except BaseException:  # reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
     finally:

@@ -33,9 +33,13 @@ class Phases:
     """Seconds spent in each phase since the clock was last read."""
 
     span: float  # the timed vLLM call, the hooks it ran left out
-    hooks: float  # every timed connector hook, inside the span or not
     calls: int = 0  # how many times the span ran
-    by_hook: dict[str, float] = field(default_factory=dict)
+    by_hook: dict[str, float] = field(default_factory=dict)  # each timed connector hook's seconds
+
+    @property
+    def hooks(self) -> float:
+        """Every timed connector hook's seconds, inside the span or not."""
+        return sum(self.by_hook.values())
 
 
 class PhaseClock:
@@ -91,9 +95,7 @@ class PhaseClock:
 
     def take(self) -> Phases:
         """The phases' seconds since the last take(), and start counting afresh."""
-        phases = Phases(
-            self._span - self._hooks_in_span, sum(self._hooks.values()), self._calls, dict(self._hooks)
-        )
+        phases = Phases(self._span - self._hooks_in_span, self._calls, dict(self._hooks))
         self._span = self._hooks_in_span = 0.0
         self._calls = 0
         self._hooks = dict.fromkeys(self._hooks, 0.0)
