@@ -13,8 +13,9 @@ before their bytes are in place. On CUDA the arena is registered as pinned host 
 ``connector.copy_cuda`` moves chunks through a staging ring on streams of its own. Either way
 ``wait()`` is the fence.
 
-``save_batch`` is the worker's save path: with a copy thread (CPU) or on CUDA, a whole step's save
-copies run after the caller returns, and a callback learns their outcome (see ``save_batch`` for why).
+``save_batch`` is the worker's save path: with a second CPU or on CUDA, a whole step's save copies run
+after the caller returns, and a callback learns their outcome (see ``save_batch`` for why). On the CPU
+they run on a save thread of their own at a lower priority, apart from the copy thread that loads hits.
 ``load_layers`` is the load path for hits the forward uses at once: it copies layer by layer (every
 chunk's layer 0, then layer 1, ...) behind the caller's back and answers with a ``LayerLoads`` whose
 ``wait_layer(i)`` returns once layers 0..i are in place, so attention of early layers overlaps the
@@ -231,6 +232,9 @@ class BlockCopier:
         # chunk's copy, which pays off only with a second CPU to run it. CUDA: waiting for each
         # save batch's copies to end, then reporting them.
         self._helper: CopyThread | None = None
+        # CPU, with a second CPU: save batches, at a lower priority, so a save neither takes cores
+        # from the prompt whose first token is due nor queues a hit's load behind it.
+        self._saver: CopyThread | None = None
         self._np_layers: list[list[np.ndarray]] = []
         if self.device.type == "cuda":
             from connector.copy_cuda import CudaCopier, CudaLayoutError
@@ -245,6 +249,7 @@ class BlockCopier:
             self._np_layers = [[p.numpy() for p in planes] for planes in self.layers]
             if helper_cpus is not None and len(helper_cpus) > 1:
                 self._helper = CopyThread(helper_cpus)
+                self._saver = CopyThread(helper_cpus, name="kvtier-saves", background=True)
         self._turn = 0  # chunks copied since the last fence
 
     @property
@@ -273,7 +278,7 @@ class BlockCopier:
 
     @property
     def defers_saves(self) -> bool:
-        """True when save_batch() returns before its copies end (copy thread, or CUDA)."""
+        """True when save_batch() returns before its copies end (save thread, or CUDA)."""
         return self._helper is not None
 
     def save_batch(
@@ -283,10 +288,11 @@ class BlockCopier:
     ) -> None:
         """save() each (slot, block_ids), then call done(None), or done(error) if a copy failed.
 
-        With a copy thread the copies and done() run there, in order with every other copy, and
-        this returns at once: a step's saves then cost its forward nothing (a miss's first token
-        no longer waits for the copy of its prompt), and wait() still fences them. The caller
-        must keep the blocks unchanged until then (the worker fences before any block is reused).
+        With a second CPU the copies and done() run on the save thread, in order with the other
+        batches, and this returns at once: a step's saves then cost its forward nothing (a miss's
+        first token no longer waits for the copy of its prompt, nor for cores the copy takes, as
+        the thread runs at a lower priority), and wait() still fences them. The caller must keep the
+        blocks unchanged until then (the worker fences before any block is reused).
         On CUDA the copies are issued here and a waiter thread calls done() once they end.
         On one CPU they run here, fenced, and done() is called before this returns.
         """
@@ -308,13 +314,14 @@ class BlockCopier:
                 error = exc
             _report(done, error)
             return
+        assert self._saver is not None  # a CPU copier has both threads or neither
         work = [(slot.numpy(), block_runs([int(b) for b in ids])) for slot, ids in chunks]
-        self._helper.submit(self._save_all, work, done)
+        self._saver.submit(self._save_all, work, done)
 
     def _save_all(
         self, work: list[tuple[np.ndarray, list[_Run]]], done: Callable[[BaseException | None], object]
     ) -> None:
-        """save_batch's copies on the copy thread; never raises (done() gets the error), so a
+        """save_batch's copies on the save thread; never raises (done() gets the error), so a
         failed save cannot fail an unrelated load at the next fence."""
         error: BaseException | None = None
         try:
@@ -391,13 +398,15 @@ class BlockCopier:
         if self._gpu is not None:
             self._gpu.synchronize()
         self._turn = 0
-        if self._helper is not None:
-            self._helper.wait()
+        for thread in (self._helper, self._saver):
+            if thread is not None:
+                thread.wait()
 
     def close(self) -> None:
-        """Finish pending copies and stop the copy thread (if any); safe to call twice."""
-        if self._helper is not None:
-            self._helper.close()
+        """Finish pending copies and stop the copier's threads (if any); safe to call twice."""
+        for thread in (self._helper, self._saver):
+            if thread is not None:
+                thread.close()
 
 
 def _report(done: Callable[[BaseException | None], object], error: BaseException | None) -> None:

@@ -4,7 +4,8 @@ Who owns what: the ``BlockCopier`` that creates a ``CopyThread`` owns it and is 
 thread (a ``Lane``, the runner the disk tier's companions use) only runs the copy functions handed to
 it; numpy drops the GIL inside each large copy, so it and the caller's thread copy at the same time.
 ``wait()`` is the fence: after it returns, every copy submitted before has ended, and the first error
-among them is raised there.
+among them is raised there. A ``background`` thread runs at a lower CPU priority (for saves, which no
+one waits for until a fence; see app/affinity.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.affinity import run_on
+from app.affinity import deprioritize, run_on
 from storage.tiers.threads import Lane
 
 
@@ -24,7 +25,9 @@ class CopyError(RuntimeError):
 class CopyThread:
     """One daemon thread running submitted copies in order; wait() fences them."""
 
-    def __init__(self, cpus: frozenset[int] | None = None, name: str = "kvtier-copy") -> None:
+    def __init__(
+        self, cpus: frozenset[int] | None = None, name: str = "kvtier-copy", background: bool = False
+    ) -> None:
         self._cond = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
@@ -33,6 +36,8 @@ class CopyThread:
         if cpus:
             # A thread inherits its creator's binding, which may be the core vLLM runs its model on.
             self._lane.put(run_on, cpus)
+        if background:
+            self._lane.put(deprioritize)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the thread; its outcome is seen at the next wait()."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.affinity import format_cpus, parse_cpus
+from app.affinity import NICE_STEPS, deprioritize, format_cpus, parse_cpus
 from app.embedded import paths_for
 from tests.app import ROOT, python_env, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -73,3 +73,19 @@ def test_client_thread_and_embedded_service_run_on_the_engines_cpus(tmp_path: Pa
     assert seen["main"] == wide[:1]  # the engine thread stayed where it was bound
     assert seen["client"] == wide
     assert seen["service"] and all(cpus == wide for cpus in seen["service"].values()), seen["service"]
+
+
+def test_deprioritize_lowers_the_calling_thread_only() -> None:
+    import threading
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[tuple[bool, int]] = []
+
+    def lowered() -> None:
+        seen.append((deprioritize(), os.getpriority(os.PRIO_PROCESS, 0)))
+
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join(30)
+    assert seen == [(True, min(19, mine + NICE_STEPS))]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the caller's thread kept its priority

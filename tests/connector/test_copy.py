@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from app.affinity import NICE_STEPS
 from connector.copy import (
     BlockCopier,
     LayoutError,
@@ -184,9 +187,49 @@ def test_layer_by_layer_loads_are_in_place_once_each_layer_is_waited_for(make, d
     loader.close()
 
 
-def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_bytes) -> None:
-    import threading
+def test_saves_run_at_a_lower_priority_on_a_thread_apart_from_the_loads(slot_bytes) -> None:
+    copier = BlockCopier([_kv_cpu(60), _kv_cpu(61)], NUM_BLOCKS, blocks_per_chunk=2, helper_cpus=TWO_CPUS)
+    buf = slot_bytes(copier.chunk_bytes)
+    seen: dict[str, tuple[int, int]] = {}
 
+    def where() -> tuple[int, int]:
+        return threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)
+
+    copier.save_batch([(copier.slot_view(buf), [3, 4])], lambda error: seen.update(save=where()))
+    assert copier._helper is not None
+    copier._helper.submit(lambda: seen.update(load=where()))  # where load_layers copies
+    copier.wait()
+    copier.close()
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen["save"][1] == min(19, mine + NICE_STEPS)
+    assert seen["load"][1] == mine
+    assert seen["save"][0] != seen["load"][0]
+
+
+def test_the_fence_waits_for_a_save_still_copying(slot_bytes, monkeypatch) -> None:
+    copier = BlockCopier([_kv_cpu(62)], NUM_BLOCKS, blocks_per_chunk=2, helper_cpus=TWO_CPUS)
+    buf = slot_bytes(copier.chunk_bytes)
+    entered, gate = threading.Event(), threading.Event()
+    real = copier._save_cpu
+
+    def held_back(*args: object) -> None:
+        entered.set()
+        assert gate.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(copier, "_save_cpu", held_back)
+    opener = threading.Thread(target=lambda: (entered.wait(30), gate.set()))
+    opener.start()
+    seen: list[BaseException | None] = []
+    copier.save_batch([(copier.slot_view(buf), [7, 8])], seen.append)
+    copier.wait()  # returns once the save has ended and reported, not when it was handed over
+    assert seen == [None]
+    assert bytes(buf) == b"".join(p[b].numpy().tobytes() for b in (7, 8) for p in copier.layers[0])
+    opener.join(30)
+    copier.close()
+
+
+def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_bytes) -> None:
     src = [_kv_cpu(50 + i) for i in range(4)]
     saver = BlockCopier(src, NUM_BLOCKS, blocks_per_chunk=3)
     buf = slot_bytes(saver.chunk_bytes)
@@ -195,7 +238,7 @@ def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_by
     loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS)
     assert loader.cpu_threads == 2
     release = threading.Event()
-    loader._helper.submit(release.wait)  # e.g. an earlier step's saves, still running there
+    loader._helper.submit(release.wait)  # e.g. an earlier step's loads, still running there
     loads = loader.load_layers([(loader.slot_view(buf), 0, [1, 2, 3])])
     outcome: list[BaseException | None] = []
     # Takes the layers from the last one down to layer 0 (in a thread: were it to sleep instead,

@@ -35,7 +35,7 @@ def gated(arena_worker, monkeypatch):
 
     monkeypatch.setattr(copier, "_save_cpu", held_back)
     yield worker, client, gate
-    gate.set()  # never leave the copy thread stuck for shutdown
+    gate.set()  # never leave the save thread stuck for shutdown
 
 
 def test_saved_chunks_are_committed_with_their_blocks_bytes(arena_worker) -> None:
@@ -54,7 +54,7 @@ def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(
 ) -> None:
     worker, client, _, _ = arena_worker
     copier = worker.copier
-    assert copier is not None and copier.defers_saves  # the whole step's saves go to the copy thread
+    assert copier is not None and copier.defers_saves  # the whole step's saves go to the save thread
     real = copier._save_cpu
 
     def broken(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
@@ -132,10 +132,10 @@ def test_preemption_fences_deferred_saves(gated) -> None:
     assert fenced.is_set() and [h for h, _ in client.commits] == [[b"a"]]
 
 
-def test_a_save_the_copy_thread_refuses_gives_its_slots_back_without_raising(arena_worker) -> None:
+def test_a_save_the_save_thread_refuses_gives_its_slots_back_without_raising(arena_worker) -> None:
     worker, client, _, _ = arena_worker
-    assert worker.copier is not None and worker.copier._helper is not None
-    worker.copier._helper.close()  # as after shutdown: submit() raises CopyError
+    assert worker.copier is not None and worker.copier._saver is not None
+    worker.copier._saver.close()  # as after shutdown: submit() raises CopyError
     worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])], held=["r1"]))
     worker.wait_for_save()
     assert client.commits == [] and len(client.aborted) == 1
