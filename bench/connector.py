@@ -239,16 +239,21 @@ def _kv(url: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _quiesce(client: Any) -> None:
-    """Let the last sample's deferred save copy end and the service's write queue drain."""
-    time.sleep(0.1)
-    _wait_drained(client)
-
-
 def _wait_drained(client: Any) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and client.stats().result(10)["write_queue_depth"]:
         time.sleep(0.05)
+
+
+def _wait_stored(client: Any, chunks: int) -> None:
+    """Wait until the CPU tier holds `chunks` chunks, then for the write queue: an empty queue alone
+    does not say the engine's saves were committed (they copy at a lower priority, after the prompt)."""
+    deadline = time.monotonic() + 60
+    while client.stats().result(10)["tiers"]["cpu"]["chunks"] < chunks:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine's saves did not reach {chunks} chunks within 60 s")
+        time.sleep(0.02)
+    _wait_drained(client)
 
 
 # ---------------------------------------------------------------------------- (b) scheduler share
@@ -348,16 +353,20 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
             on.wait_ready()
             for _ in range(warm_up_prompts(engine, prompt_tokens)):
                 # kvtier bypassed: the engine warms up, and no tier fills with unmeasured chunks
-                # (so no prompt leaves background work behind: no _quiesce needed in between).
+                # (so no prompt leaves background work behind: no wait needed in between).
                 for engine_proc, bypass in ((off, False), (on, True)):
                     engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
             runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
             got: dict[str, list[Sample]] = {case: [] for case in MISS_CASES}
+            stored = 0  # chunks the misses so far have saved
             for i in range(MISS_SAMPLES):
                 # Each case goes first in turn, so none always follows the same other.
                 for case, engine_proc, bypass in runs[i % 3 :] + runs[: i % 3]:
-                    _quiesce(client)
+                    # The last miss's save (copy, commit, disk writes) has ended: none runs under
+                    # the next sample, whatever its case.
+                    _wait_stored(client, stored)
                     got[case].append(engine_proc.sample(make_prompt(next(seeds), prompt_tokens), bypass))
+                    stored += (prompt_tokens // 256) if case == "miss" else 0
             for case in MISS_CASES:
                 taken[case].append(got[case])
 
@@ -454,7 +463,7 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
                 with kvtier_bypassed(llm):  # warmed as bench_miss warms: nothing stored
                     generate_each(llm, warm_up, 1)
                 out["ttft_miss_ms"] = ttft(llm, prompts)  # stores them
-                _wait_drained(client)
+                _wait_stored(client, len(prompts) * (prompt_tokens // 256))
                 # The floor's one-token TTFT comes from this same engine (engines differ, see above),
                 # each sample next to a hit's. Hits of a prompt again, 3 rounds over the 5 prompts:
                 # a hit changes nothing stored, and 5 prompts' slots (120 MiB) are cold again by
@@ -538,7 +547,7 @@ def bench_hit_over_prefix_hit(
                 generate_each(llm, warm_up, 1)
             llm.reset_prefix_cache()
             generate_each(llm, prompts, 1)  # misses: kvtier stores them, vLLM caches them
-            _wait_drained(client)
+            _wait_stored(client, len(prompts) * (len(prompts[0]) // 256))
             for _ in range(rounds):
                 vllm_hits += [_ttft_once(llm, p) for p in prompts]
                 if not llm.reset_prefix_cache():
