@@ -1,4 +1,4 @@
-"""Which CPUs kvtier's own threads and processes run on.
+"""Which CPUs kvtier's own threads and processes run on, and at what priority.
 
 vLLM's CPU worker binds the thread that runs the model (and every thread and process it starts
 afterwards) to the cores it computes on. A kvtier thread or service started from there would inherit
@@ -11,10 +11,11 @@ was started with: the calling thread's set widened by its parent process's, whic
 Work that can wait (a save's copy into the arena) runs at a lower priority (``deprioritize``): on a
 CPU-only engine the model's threads use every core during a forward and spin between them, and a save
 copied at normal priority there took cores from the very prompt whose first token was waiting
-(measured on 2 cores: the save's copy, its commit and the service's disk writes landed inside the
-prompt's time to first token, 3-8 ms of the service's CPU in it; at nice +10 they came after it, 0.3
-ms). Ten levels, not idle priority (SCHED_IDLE): that would starve saves for as long as the model's
-threads stay busy, holding finished requests' blocks; nice +10 still gets about a tenth of a busy core.
+(measured on 2 cores, 1537-token misses: the copy ended early enough for its commit and the service's
+disk writes to land inside the prompt's time to first token too, 3-8 ms of the service's CPU in it;
+at nice +10 the copy yields, ends later, and the service's share fell to 0.3 ms). Ten levels, not
+idle priority (SCHED_IDLE): that would starve saves for as long as the model's threads stay busy,
+holding finished requests' blocks; nice +10 still gets about a tenth of a busy core.
 """
 
 from __future__ import annotations
