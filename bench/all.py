@@ -31,6 +31,9 @@ HEADLINES = [
     ("connector", "copy_ratio", 0.7, True),
     ("connector", "scheduler_overhead_fraction", 0.10, False),
     ("connector", "ttft_miss_ratio", 1.02, False),
+    # Where the miss ratio could have landed with other engines (a 95% bootstrap over engine pairs).
+    ("connector", "ttft.ttft_miss_ratio_low95", None, False),
+    ("connector", "ttft.ttft_miss_ratio_high95", None, False),
     # What of a miss's gap is the forward (no kvtier code runs there) and what is kvtier's hooks.
     ("connector", "ttft.ttft_miss_forward_ratio", None, False),
     ("connector", "ttft.ttft_miss_kvtier_fraction", None, False),

@@ -12,6 +12,8 @@
     over minutes, so the miss is measured on pairs of engines in processes of their own, one with
     kvtier and one without, up side by side and sampled in turn (bench/engine_proc.py), with the
     samples of 8 pairs pooled; every sample starts once the previous one's background work is done.
+    ``ttft_miss_ratio_low95`` / ``_high95`` (and the bypassed ratio's) bound where the ratio could
+    have landed with other engines: a 95% bootstrap over the pairs (bench/bootstrap.py).
     Every engine is warmed up before it is timed (see warm_up_prompts): a fresh engine's first
     prompts of this length take up to 2x as long, and erratically, until each KV block was used once.
     Every engine keeps its weights and KV cache on transparent huge pages (THP_MEM_ALLOC_ENABLE, set
@@ -59,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from bench.arena_dir import arena_dir
+from bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
 from bench.engine_proc import EngineProcess, Sample, kvtier_bypassed
 from bench.phases import SCHEDULER_HOOKS, PhaseClock
 
@@ -377,6 +380,10 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         return [statistics.median(s.ttft for s in samples) for samples in taken[case]]
 
     ratios = [m / o for m, o in zip(per_pair("miss"), per_pair("off"), strict=True)]
+    # How far the two ratios could move with other engines (see bench/bootstrap.py).
+    ttfts = {case: [[s.ttft for s in samples] for samples in taken[case]] for case in MISS_CASES}
+    miss_low, miss_high = pair_bootstrap_interval(ttfts["miss"], ttfts["off"])
+    bypassed_low, bypassed_high = pair_bootstrap_interval(ttfts["bypassed"], ttfts["off"])
     same_engine = [
         m.ttft / b.ttft
         for ms, bs in zip(taken["miss"], taken["bypassed"], strict=True)
@@ -409,10 +416,14 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         "ttft_off_ms_per_engine": [round(1000 * t, 2) for t in per_pair("off")],
         "ttft_miss_ms_per_engine": [round(1000 * t, 2) for t in per_pair("miss")],
         "ttft_bypassed_ms_per_engine": [round(1000 * t, 2) for t in per_pair("bypassed")],
-        "ttft_miss_ratio": round(pooled("miss") / pooled("off"), 3),
+        "ttft_miss_ratio": round(pooled_median_ratio(ttfts["miss"], ttfts["off"]), 3),
+        "ttft_miss_ratio_low95": round(miss_low, 3),
+        "ttft_miss_ratio_high95": round(miss_high, 3),
         "ttft_miss_ratio_per_pair": [round(r, 3) for r in ratios],
         "ttft_miss_ratio_geomean": round(float(np.exp(np.mean(np.log(ratios)))), 3),
-        "ttft_bypassed_ratio": round(pooled("bypassed") / pooled("off"), 3),
+        "ttft_bypassed_ratio": round(pooled_median_ratio(ttfts["bypassed"], ttfts["off"]), 3),
+        "ttft_bypassed_ratio_low95": round(bypassed_low, 3),
+        "ttft_bypassed_ratio_high95": round(bypassed_high, 3),
         "ttft_miss_same_engine_ratio": round(statistics.median(same_engine), 3),
         "ttft_ms_by_phase": phase_ms,
         "ttft_miss_forward_ratio": round(pooled("miss", "forward") / pooled("off", "forward"), 3),
