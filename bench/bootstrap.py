@@ -38,5 +38,5 @@ def pair_bootstrap_interval(
         pooled_median_ratio([num[i] for i in picks], [den[i] for i in picks])
         for picks in ([rng.choice(pairs) for _ in pairs] for _ in range(draws))
     )
-    tail = (1 - level) / 2
-    return ratios[int(tail * draws)], ratios[min(draws - 1, int((1 - tail) * draws))]
+    cut = int((1 - level) / 2 * draws)  # draws left out at each end
+    return ratios[cut], ratios[draws - 1 - cut]
