@@ -67,6 +67,7 @@ from bench.phases import SCHEDULER_HOOKS, PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
 ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
+TTFT_CHUNK = 256  # chunk_size of the TTFT benchmarks' engines, in tokens
 
 
 def _median_time(fn: Callable[[], Any], repeat: int) -> float:
@@ -248,6 +249,11 @@ def _wait_drained(client: Any) -> None:
         time.sleep(0.05)
 
 
+def _full_chunks(prompts: list[list[int]]) -> int:
+    """Chunks a miss of each of these prompts saves (whole chunks only)."""
+    return sum(len(p) // TTFT_CHUNK for p in prompts)
+
+
 def _wait_stored(client: Any, chunks: int) -> None:
     """Wait until the CPU tier holds `chunks` chunks, then for the write queue: an empty queue alone
     does not say the engine's saves were committed (they copy at a lower priority, after the prompt)."""
@@ -350,7 +356,7 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
             _service(tmp / f"default-{pair}", disk_path=tmp / f"disk-default-{pair}") as url,
             ServiceClient(url) as client,
             EngineProcess(model, None, engine, cpus) as off,
-            EngineProcess(model, _kv(url, chunk_size=256), engine, cpus) as on,
+            EngineProcess(model, _kv(url, chunk_size=TTFT_CHUNK), engine, cpus) as on,
         ):
             off.wait_ready()
             on.wait_ready()
@@ -361,15 +367,13 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
                     engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
             runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
             got: dict[str, list[Sample]] = {case: [] for case in MISS_CASES}
-            stored = 0  # chunks the misses so far have saved
             for i in range(MISS_SAMPLES):
                 # Each case goes first in turn, so none always follows the same other.
                 for case, engine_proc, bypass in runs[i % 3 :] + runs[: i % 3]:
                     # The last miss's save (copy, commit, disk writes) has ended: none runs under
                     # the next sample, whatever its case.
-                    _wait_stored(client, stored)
+                    _wait_stored(client, len(got["miss"]) * (prompt_tokens // TTFT_CHUNK))
                     got[case].append(engine_proc.sample(make_prompt(next(seeds), prompt_tokens), bypass))
-                    stored += (prompt_tokens // 256) if case == "miss" else 0
             for case in MISS_CASES:
                 taken[case].append(got[case])
 
@@ -433,7 +437,9 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     }
 
 
-def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: int = 5) -> dict[str, Any]:
+def bench_ttft(
+    model: str, tmp: Path, prompt_tokens: int = 6 * TTFT_CHUNK + 1, repeat: int = 5
+) -> dict[str, Any]:
     """TTFT (prefill + first token) per case, medians over `repeat` distinct prompts (the miss and
     its reference over several pairs of engines, see bench_miss).
 
@@ -470,11 +476,11 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
         with _service(tmp / "svc", **settings) as url:
             client = ServiceClient(url)
             client.wait_connected(10)
-            with running_engine(model, _kv(url, chunk_size=256), **engine) as llm:
+            with running_engine(model, _kv(url, chunk_size=TTFT_CHUNK), **engine) as llm:
                 with kvtier_bypassed(llm):  # warmed as bench_miss warms: nothing stored
                     generate_each(llm, warm_up, 1)
                 out["ttft_miss_ms"] = ttft(llm, prompts)  # stores them
-                _wait_stored(client, len(prompts) * (prompt_tokens // 256))
+                _wait_stored(client, _full_chunks(prompts))
                 # The floor's one-token TTFT comes from this same engine (engines differ, see above),
                 # each sample next to a hit's. Hits of a prompt again, 3 rounds over the 5 prompts:
                 # a hit changes nothing stored, and 5 prompts' slots (120 MiB) are cold again by
@@ -500,7 +506,7 @@ def bench_ttft(model: str, tmp: Path, prompt_tokens: int = 6 * 256 + 1, repeat: 
     from bench.models import BENCH
     from connector.planning import Geometry, external_tokens
 
-    loaded = external_tokens(prompt_tokens // 256, 0, prompt_tokens, Geometry(32, 256))
+    loaded = external_tokens(prompt_tokens // TTFT_CHUNK, 0, prompt_tokens, Geometry(32, TTFT_CHUNK))
     kv_bytes = loaded * BENCH.kv_bytes_per_token
     # A hit copies bytes nobody touched since they were stored (its slots, its free blocks), so the
     # floor moves them at the speed of a memcpy of cold bytes; one 4 MiB chunk copied over and over
@@ -552,13 +558,13 @@ def bench_hit_over_prefix_hit(
     with _service(tmp / "svc-prefix") as url, ServiceClient(url) as client:
         client.wait_connected(10)
         with running_engine(
-            model, _kv(url, chunk_size=256), **{**engine, "enable_prefix_caching": True}
+            model, _kv(url, chunk_size=TTFT_CHUNK), **{**engine, "enable_prefix_caching": True}
         ) as llm:
             with kvtier_bypassed(llm):
                 generate_each(llm, warm_up, 1)
             llm.reset_prefix_cache()
             generate_each(llm, prompts, 1)  # misses: kvtier stores them, vLLM caches them
-            _wait_stored(client, len(prompts) * (len(prompts[0]) // 256))
+            _wait_stored(client, _full_chunks(prompts))
             for _ in range(rounds):
                 vllm_hits += [_ttft_once(llm, p) for p in prompts]
                 if not llm.reset_prefix_cache():

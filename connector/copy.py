@@ -398,15 +398,16 @@ class BlockCopier:
         if self._gpu is not None:
             self._gpu.synchronize()
         self._turn = 0
-        for thread in (self._helper, self._saver):
-            if thread is not None:
-                thread.wait()
+        for thread in self._threads():
+            thread.wait()
 
     def close(self) -> None:
         """Finish pending copies and stop the copier's threads (if any); safe to call twice."""
-        for thread in (self._helper, self._saver):
-            if thread is not None:
-                thread.close()
+        for thread in self._threads():
+            thread.close()
+
+    def _threads(self) -> list[CopyThread]:
+        return [t for t in (self._helper, self._saver) if t is not None]
 
 
 def _report(done: Callable[[BaseException | None], object], error: BaseException | None) -> None:
