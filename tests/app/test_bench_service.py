@@ -77,3 +77,18 @@ def test_each_measured_lookup_takes_a_new_lease_and_ends_the_last_without_an_ans
         (released,) = [c for c in calls[:i] if c[0] == "lookup" and c[1] == calls[i][1]][-1:]
         assert released[3] != prompt
     assert calls[-1][0] == "release"  # the last one, waited for before the client closes
+
+
+@pytest.mark.parametrize("alternations", [0, -1])
+def test_measure_refuses_fewer_than_one_turn_of_service_clients(alternations: int) -> None:
+    with pytest.raises(ValueError, match="alternations must be at least 1"):
+        bench.measure(alternations=alternations)
+
+
+def test_the_command_refuses_fewer_than_one_turn_of_service_clients(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--alternations", "0"])
+    assert exit_info.value.code == 2
+    assert "--alternations must be at least 1, not 0" in capsys.readouterr().err
