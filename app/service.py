@@ -86,6 +86,7 @@ class Connection(asyncio.Protocol):
         self.slots: set[int] = set()  # offsets of the reserved slots it owns
         self.inflight: set[asyncio.Task[None]] = set()
         self.last_hello: asyncio.Task[None] | None = None
+        self.held: list[bytes] | None = None  # replies held while one read's calls are served
 
     # --------------------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -104,10 +105,18 @@ class Connection(asyncio.Protocol):
             kind = "oversized" if isinstance(exc, p.FrameTooLarge) else "malformed"
             self.abort_protocol(kind, str(exc))
             return
-        for msg in messages:
-            if self.closed or (self.transport is not None and self.transport.is_closing()):
-                return  # refused or shut: the rest of the batch is not served
-            self.service.dispatch(self, msg)
+        if len(messages) > 1:
+            # Several calls in one read (a burst of lookups as requests arrive): their immediate
+            # replies go out in one write, which wakes the client once instead of once per reply.
+            self.held = []
+        try:
+            for msg in messages:
+                if self.closed or (self.transport is not None and self.transport.is_closing()):
+                    return  # refused or shut: the rest of the batch is not served
+                self.service.dispatch(self, msg)
+        finally:
+            if self.held is not None:
+                self.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Hand the connection's leases and slots back once its in-flight calls are done."""
@@ -126,9 +135,18 @@ class Connection(asyncio.Protocol):
 
     # --------------------------------------------------------------------------- helpers
     def send(self, frame: bytes) -> None:
-        """Write one encoded frame unless the connection is gone."""
-        if not self.closed and self.transport is not None:
+        """Write one encoded frame unless the connection is gone (held for flush() while a read's
+        calls are served)."""
+        if self.held is not None:
+            self.held.append(frame)
+        elif not self.closed and self.transport is not None:
             self.transport.write(frame)
+
+    def flush(self) -> None:
+        """Write the replies send() held, in one write, and stop holding them."""
+        held, self.held = self.held, None
+        if held and not self.closed and self.transport is not None:
+            self.transport.write(b"".join(held))
 
     def abort_protocol(self, kind: str, reason: str) -> None:
         """Close this connection for a protocol violation, logging why; other clients go on."""
@@ -138,6 +156,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close after flushing what was written; abort if the peer does not read it in time."""
+        self.flush()  # a refusal's reply goes out before the connection closes
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.close()

@@ -71,6 +71,52 @@ def test_calls_pipeline_on_one_connection(tmp_path: Path) -> None:
         conn.close()
 
 
+class _Writes:
+    """A transport stand-in that records each write and passes it on to the real transport."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.sizes: list[int] = []
+
+    def write(self, data: bytes) -> None:
+        """Record, then write."""
+        self.sizes.append(len(data))
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+def test_calls_that_arrive_in_one_read_are_answered_in_one_write(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        conn.hello()
+        (server_side,) = svc.call(lambda: list(svc.service.connections))
+        writes = _Writes(server_side.transport)
+        svc.call(lambda: setattr(server_side, "transport", writes))
+        enc = p.FrameEncoder()
+        burst = [p.Health(id=i) for i in range(20, 26)]
+        conn.sock.sendall(b"".join(enc.encode(m) for m in burst))  # one small send: one read there
+        replies = [conn.recv() for _ in burst]
+        assert [r.id for r in replies] == [m.id for m in burst]
+        assert all(isinstance(r, p.HealthReply) for r in replies)
+        assert svc.call(lambda: writes.sizes) == [sum(len(enc.encode(r)) for r in replies)]
+        assert conn.call(p.Health(id=30)).id == 30  # a lone call is written at once, as before
+        assert svc.call(lambda: len(writes.sizes)) == 2
+        conn.close()
+
+
+def test_a_refusal_in_a_burst_is_answered_before_the_connection_closes(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        conn = RawConn(svc.url)
+        enc = p.FrameEncoder()
+        conn.sock.sendall(enc.encode(p.Stats(id=1)) + enc.encode(p.Health(id=2)))  # no hello first
+        reply = conn.recv()
+        assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.HELLO_REQUIRED
+        assert conn.closed_by_peer() and not conn.pending  # the call behind it was not served
+        conn.close()
+
+
 def test_a_call_behind_one_in_flight_waits_its_turn(tmp_path: Path) -> None:
     # Calls are answered at once only when nothing of their connection is in flight: a reserve
     # pipelined right behind the hello that registers its namespace must still find it.
