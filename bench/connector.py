@@ -598,6 +598,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"copy": bench_copy()}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         work = Path(tmp)
+        # vLLM's engines leave their ZeroMQ socket files behind (in /tmp by default): here they go
+        # with the benchmark's directory.
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
         tiny = str(build_model(work / "tiny", TINY))
         result["scheduler"] = bench_scheduler_runs(tiny, work)
         if not args.skip_ttft:

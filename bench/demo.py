@@ -128,6 +128,9 @@ def vllm_server(model: str, workdir: Path, kv_config: dict[str, Any] | None, nam
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", CPU_RESERVED)
+    # vLLM leaves its ZeroMQ socket files behind when it exits (in /tmp by default): in the demo's
+    # directory they go with it.
+    env.setdefault("VLLM_RPC_BASE_PATH", str(workdir))
     log_path = workdir / f"vllm-{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

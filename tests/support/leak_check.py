@@ -17,7 +17,10 @@ Graceful shutdowns take a moment, so leaks must persist for ``LEAK_GRACE_S`` bef
 leaked process is killed and leaked files are removed, so one leak does not fail the tests after it.
 
 The session fixture also points ``XDG_RUNTIME_DIR`` at a private directory, so default sockets and
-embedded services of this session never mix with those of another session on the same machine.
+embedded services of this session never mix with those of another session on the same machine, and
+``VLLM_RPC_BASE_PATH`` at a directory inside it: vLLM's engines bind ZeroMQ sockets there and leave
+the socket files behind when they exit (35 per run of the suite, in /tmp by default), so the session
+removes them with the directory.
 """
 
 from __future__ import annotations
@@ -211,13 +214,17 @@ def _clean(pids: set[int], files: set[str]) -> None:
 
 @pytest.fixture(scope="session")
 def kvtier_leak_session() -> Iterator[str]:
-    """This session's marker (inherited by every process the tests start) and private runtime dir."""
+    """This session's marker (inherited by every process the tests start), private runtime dir and
+    vLLM IPC socket dir."""
     mark = uuid.uuid4().hex
-    saved = {k: os.environ.get(k) for k in (MARK_ENV, "XDG_RUNTIME_DIR")}
+    saved = {k: os.environ.get(k) for k in (MARK_ENV, "XDG_RUNTIME_DIR", "VLLM_RPC_BASE_PATH")}
     with tempfile.TemporaryDirectory(prefix="kvt-rt-") as runtime:
         os.chmod(runtime, 0o700)
+        vllm_ipc = Path(runtime) / "vllm"
+        vllm_ipc.mkdir()
         os.environ[MARK_ENV] = mark
         os.environ["XDG_RUNTIME_DIR"] = runtime
+        os.environ["VLLM_RPC_BASE_PATH"] = str(vllm_ipc)
         try:
             yield mark
         finally:
