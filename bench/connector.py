@@ -578,6 +578,19 @@ def bench_hit_over_prefix_hit(
     }
 
 
+@contextlib.contextmanager
+def _env_default(name: str, value: str) -> Iterator[None]:
+    """name=value in os.environ while inside, unless name is set already."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every part and return the figures."""
     parser = argparse.ArgumentParser(prog="kvtier bench connector", description=__doc__)
@@ -596,11 +609,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.models import BENCH, TINY, build_model
 
     result: dict[str, Any] = {"copy": bench_copy()}
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        work = Path(tmp)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
         # vLLM's engines leave their ZeroMQ socket files behind (in /tmp by default): here they go
         # with the benchmark's directory.
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
+        _env_default("VLLM_RPC_BASE_PATH", tmp),
+    ):
+        work = Path(tmp)
         tiny = str(build_model(work / "tiny", TINY))
         result["scheduler"] = bench_scheduler_runs(tiny, work)
         if not args.skip_ttft:
