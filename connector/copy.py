@@ -304,7 +304,7 @@ class BlockCopier:
                 return
             self._helper.submit(_await_save, ended, done)
             return
-        if self._helper is None:
+        if self._saver is None:  # one CPU
             error: BaseException | None = None
             try:
                 for slot, block_ids in chunks:
@@ -314,7 +314,6 @@ class BlockCopier:
                 error = exc
             _report(done, error)
             return
-        assert self._saver is not None  # a CPU copier has both threads or neither
         work = [(slot.numpy(), block_runs([int(b) for b in ids])) for slot, ids in chunks]
         self._saver.submit(self._save_all, work, done)
 
