@@ -12,10 +12,14 @@ import triton.language as tl
 _MAX_BLOCK = 1024  # int64 words per program: 8 KiB, four programs per 32 KiB plane row
 
 
-@triton.jit
+# The integer arguments change from call to call (a chunk's first block id, its row count, the
+# piece's first layer); Triton would otherwise compile a variant when one of them first equals 1 or
+# is first a multiple of 16, which is a compile of seconds inside one of vLLM's steps.
+@triton.jit(do_not_specialize=["first", "n", "lp0"])
 def _stage_blocks(
     planes_ptr,  # int64 [layers * P]: address of each layer's plane (row b at address + b * WB)
-    ids_ptr,  # int64 [n]: the chunk's block ids
+    ids_ptr,  # int64 [n]: the chunk's block ids (read only when not CONSECUTIVE)
+    first,  # the first block id when CONSECUTIVE: the chunk's blocks are first, first + 1, ...
     stage_ptr,  # int64 words laid out [layer, row, plane, WB / 8], as the slot holds them
     n,  # rows (blocks) in the chunk
     lp0,  # first layer-plane of the piece
@@ -23,6 +27,7 @@ def _stage_blocks(
     P: tl.constexpr,
     BLOCK: tl.constexpr,
     TO_STAGE: tl.constexpr,
+    CONSECUTIVE: tl.constexpr,
 ):
     row = tl.program_id(0)
     lp = tl.program_id(1)  # layer-plane within the piece
@@ -30,7 +35,10 @@ def _stage_blocks(
     words = WB // 8
     layer = lp // P
     plane = lp % P
-    block = tl.load(ids_ptr + row)
+    if CONSECUTIVE:  # noqa: SIM108 (a statement: Triton resolves it at compile time)
+        block = (first + row).to(tl.int64)  # 64-bit: block * WB passes 2**31 in a large cache
+    else:
+        block = tl.load(ids_ptr + row)
     kv = (tl.load(planes_ptr + lp0 + lp) + block * WB).to(tl.pointer_type(tl.int64))
     stage = stage_ptr + ((layer.to(tl.int64) * n + row) * P + plane) * words
     mask = cols < words
@@ -42,7 +50,8 @@ def _stage_blocks(
 
 def stage_blocks(
     planes: torch.Tensor,
-    ids: torch.Tensor,
+    ids: torch.Tensor | int,
+    rows: int,
     stage: torch.Tensor,
     first_layer: int,
     layers: int,
@@ -50,15 +59,18 @@ def stage_blocks(
     row_bytes: int,
     to_stage: bool,
 ) -> None:
-    """Copy the blocks ``ids`` of layers [first_layer, first_layer + layers) to (or from) ``stage``.
+    """Copy ``rows`` blocks of layers [first_layer, first_layer + layers) to (or from) ``stage``.
 
-    ``stage`` holds ``[layers, len(ids), num_planes, row_bytes]`` bytes, the slot's own order;
-    ``planes`` holds every layer-plane's base address. Runs on the current stream.
+    ``ids`` is a device tensor of the block ids, or the first id of ``rows`` consecutive ones (no
+    upload needed). ``stage`` holds ``[layers, rows, num_planes, row_bytes]`` bytes, the slot's own
+    order; ``planes`` holds every layer-plane's base address. Runs on the current stream.
     """
     words = row_bytes // 8
     block = min(_MAX_BLOCK, triton.next_power_of_2(words))
-    grid = (ids.numel(), layers * num_planes, triton.cdiv(words, block))
+    grid = (rows, layers * num_planes, triton.cdiv(words, block))
+    consecutive = isinstance(ids, int)
     _stage_blocks[grid](
-        planes, ids, stage.view(torch.int64), ids.numel(), first_layer * num_planes, row_bytes,
-        P=num_planes, BLOCK=block, TO_STAGE=to_stage, num_warps=4,
+        planes, planes if consecutive else ids, ids if consecutive else 0, stage.view(torch.int64),
+        rows, first_layer * num_planes, row_bytes,
+        P=num_planes, BLOCK=block, TO_STAGE=to_stage, CONSECUTIVE=consecutive, num_warps=4,
     )  # fmt: skip

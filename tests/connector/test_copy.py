@@ -381,3 +381,29 @@ def test_a_cuda_save_that_fails_midway_reports_it_with_nothing_left_running(monk
     gpu = copier._gpu
     assert gpu is not None and gpu._kernels.query() and gpu._dma.query()  # nothing still queued
     copier.close()
+
+
+def test_a_cuda_batch_of_consecutive_and_scattered_chunks_lands_exactly(slot_bytes) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    layers = [_kv_split(60 + i).to("cuda") for i in range(4)]
+    copier = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=3)
+    batch_ids = [[4, 5, 6], [9, 3, 7], [0, 1, 2]]  # consecutive (no upload), scattered, from block 0
+    slots = [copier.slot_view(slot_bytes(copier.chunk_bytes)) for _ in batch_ids]
+    seen: list[BaseException | None] = []
+    copier.save_batch(list(zip(slots, batch_ids, strict=True)), seen.append)
+    copier.wait()
+    assert seen == [None]
+    for slot, ids in zip(slots, batch_ids, strict=True):
+        want = torch.stack([torch.cat([p[ids] for p in planes], dim=1) for planes in copier.layers])
+        assert torch.equal(slot, want.cpu())
+    loader = BlockCopier([torch.zeros_like(t) for t in layers], NUM_BLOCKS, blocks_per_chunk=3)
+    loads = loader.load_layers([(slot, 0, ids) for slot, ids in zip(slots, batch_ids, strict=True)])
+    assert loads.finish() is None
+    copied = {b for ids in batch_ids for b in ids}
+    for saved, restored in zip(copier.layers, loader.layers, strict=True):
+        for a, b in zip(saved, restored, strict=True):
+            for block in range(NUM_BLOCKS):
+                assert torch.equal(a[block], b[block]) == (block in copied)
+    for c in (copier, loader):
+        c.close()
