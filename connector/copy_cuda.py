@@ -17,8 +17,8 @@ A small batch is bound by the Python that issues it (each piece costs the issuin
 50 us against a 16 MiB DMA's 310 us), and nothing overlaps the time before its first DMA. Block
 ids that are consecutive, as a fresh prompt's are, go to the kernel as their first id, with no
 upload; each piece switches streams with ``set_stream`` instead of a stream context. Measured on an
-H200 with a 1-chunk batch, saves went from 0.68x to 0.78-0.82x of cudaMemcpy and loads from 0.76x
-to 0.89x.
+H200 with a 1-chunk batch, saves went from 0.68-0.70x to 0.78-0.83x of cudaMemcpy and loads from
+0.76-0.77x to 0.88-0.89x.
 
 Who owns what: a ``CudaCopier`` owns its two streams, its staging ring and its events; the caller
 (``BlockCopier``) fences with ``synchronize()``. The arena must be registered as pinned memory
@@ -199,8 +199,9 @@ class CudaCopier:
 
     @contextlib.contextmanager
     def _streams(self) -> Iterator[None]:
-        """Give the caller's stream back after a batch that switched streams per piece
-        (``torch.cuda.set_stream``: a stream context per piece cost 12 us of the issuing thread)."""
+        """Give the caller's stream back after a batch that switched streams per piece with
+        ``torch.cuda.set_stream`` (a stream context, an event wait and a record took 12 us together
+        on the issuing thread, twice per piece)."""
         caller = torch.cuda.current_stream(self.device)
         try:
             yield
