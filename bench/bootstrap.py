@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 
 def pooled_median_ratio(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> float:
@@ -27,17 +27,29 @@ def pair_bootstrap_interval(
     level: float = 0.95,
     draws: int = 2000,
     seed: int = 0,
+    strata: Sequence[Hashable] | None = None,
 ) -> tuple[float, float]:
-    """The central `level` interval of pooled_median_ratio over resamples of whole pairs."""
+    """The central `level` interval of pooled_median_ratio over resamples of whole pairs.
+
+    strata (one label per pair): each resample keeps as many pairs of each label as the run had,
+    so a design balanced between labels (which engine started first) stays balanced.
+    """
     if len(num) != len(den) or not num:
         raise ValueError(f"need the same number (> 0) of pairs on both sides, got {len(num)} and {len(den)}")
     if not 0 < level < 1:
         raise ValueError(f"level must be between 0 and 1, got {level}")
+    labels = list(strata) if strata is not None else [0] * len(num)
+    if len(labels) != len(num):
+        raise ValueError(f"need one stratum per pair, got {len(labels)} for {len(num)} pairs")
+    groups = [[i for i, label in enumerate(labels) if label == key] for key in dict.fromkeys(labels)]
     rng = random.Random(seed)  # the same run gives the same interval
-    pairs = range(len(num))
+
+    def resample() -> list[int]:
+        return [rng.choice(group) for group in groups for _ in group]
+
     ratios = sorted(
         pooled_median_ratio([num[i] for i in picks], [den[i] for i in picks])
-        for picks in ([rng.choice(pairs) for _ in pairs] for _ in range(draws))
+        for picks in (resample() for _ in range(draws))
     )
     cut = int((1 - level) / 2 * draws)  # draws left out at each end
     return ratios[cut], ratios[draws - 1 - cut]

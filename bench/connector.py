@@ -12,6 +12,8 @@
     over minutes, so the miss is measured on pairs of engines in processes of their own, one with
     kvtier and one without, up side by side and sampled in turn (bench/engine_proc.py), with the
     samples of 8 pairs pooled; every sample starts once the previous one's background work is done.
+    Which engine of a pair starts first alternates, so an effect of the start order cannot lean
+    the ratio either way (``ttft_miss_ratio_kvtier_first`` / ``_kvtier_second``).
     ``ttft_miss_ratio_low95`` / ``_high95`` (and the bypassed ratio's) bound where the ratio could
     have landed with other engines: a 95% bootstrap over the pairs (bench/bootstrap.py).
     Every engine is warmed up before it is timed (see warm_up_prompts): a fresh engine's first
@@ -132,20 +134,31 @@ def bench_copy(repeat: int = 7) -> dict[str, float]:
     }
 
 
-def cold_memcpy_gbps(nbytes: int, pool_bytes: int = 512 << 20, repeat: int = 7) -> float:
-    """np.copyto of nbytes between pre-touched buffers not touched since the pool was filled: each
-    copy takes the next piece of a source and a destination pool bigger than the CPU's caches."""
-    pieces = max(2, pool_bytes // nbytes)
-    src = np.full((pieces, nbytes), 1, dtype=np.uint8)
-    dst = np.full((pieces, nbytes), 2, dtype=np.uint8)
-    turn = iter(range(1 << 30))
+class ColdCopy:
+    """np.copyto of nbytes between pre-touched pools bigger than the CPU's caches: each copy takes
+    the next piece of a source and a destination pool, so its bytes were not touched since the
+    pools were filled (or since a whole round of pieces ago)."""
 
-    def copy() -> None:
-        i = next(turn) % pieces
-        np.copyto(dst[i], src[(i + pieces // 2) % pieces])
+    def __init__(self, nbytes: int, pool_bytes: int = 512 << 20) -> None:
+        self.nbytes = nbytes
+        self._pieces = max(2, pool_bytes // nbytes)
+        self._src = np.full((self._pieces, nbytes), 1, dtype=np.uint8)
+        self._dst = np.full((self._pieces, nbytes), 2, dtype=np.uint8)
+        self._turn = 0
 
-    seconds = _median_time(copy, min(repeat, pieces))
-    return round(nbytes / seconds / 1e9, 2)
+    def once(self) -> float:
+        """Seconds one cold copy of nbytes took."""
+        i = self._turn % self._pieces
+        self._turn += 1
+        start = time.perf_counter()
+        np.copyto(self._dst[i], self._src[(i + self._pieces // 2) % self._pieces])
+        return time.perf_counter() - start
+
+
+def _cold_copy_sampler(nbytes: int) -> Callable[[int], float]:
+    """A sampler for in_turns: seconds of one ColdCopy of nbytes (the pools live as long as it)."""
+    copy = ColdCopy(nbytes)
+    return lambda _: copy.once()
 
 
 # -------------------------------------------------------------------------------------- services
@@ -333,10 +346,19 @@ def warm_up_prompts(engine: dict[str, Any], prompt_tokens: int) -> int:
 # The miss figure: pairs of engines in processes of their own, one with kvtier and one without, up
 # side by side and sampled in turn (see bench/engine_proc.py). Even warmed up, one pair's ratio still
 # moves by +-8% from one pair to the next (each engine start has its own speed on this VM), so it
-# pools 8 pairs.
+# pools 8 pairs. kvtier's engine used to start second in every pair; in one run of 8 pairs with the
+# order alternating, the forward of kvtier's engine ran 0.99-1.02x of the other's when it started
+# second and 0.96-0.99x when it started first, and in the next run the kvtier-first half was the
+# slower one (1.09 against 1.01). Whatever the order does, alternating it (half the pairs each way,
+# both halves reported) keeps it from leaning the ratio one way.
 MISS_PAIRS = 8
 MISS_SAMPLES = 9  # per case and pair
 MISS_CASES = ("off", "miss", "bypassed")
+
+
+def _kvtier_first(pair: int) -> bool:
+    """Whether the engine with kvtier starts first in this pair (every second pair)."""
+    return pair % 2 == 1
 
 
 def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
@@ -352,12 +374,18 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     taken: dict[str, list[list[Sample]]] = {case: [] for case in MISS_CASES}
     for pair in range(MISS_PAIRS):
         # The tiers a user gets by default: CPU + disk, as embedded mode runs them.
-        with (
-            _service(tmp / f"default-{pair}", disk_path=tmp / f"disk-default-{pair}") as url,
-            ServiceClient(url) as client,
-            EngineProcess(model, None, engine, cpus) as off,
-            EngineProcess(model, _kv(url, chunk_size=TTFT_CHUNK), engine, cpus) as on,
-        ):
+        with contextlib.ExitStack() as stack:
+            url = stack.enter_context(
+                _service(tmp / f"default-{pair}", disk_path=tmp / f"disk-default-{pair}")
+            )
+            client = stack.enter_context(ServiceClient(url))
+            # Which engine starts first alternates (see MISS_PAIRS).
+            configs = {"off": None, "on": _kv(url, chunk_size=TTFT_CHUNK)}
+            order = ("on", "off") if _kvtier_first(pair) else ("off", "on")
+            procs = {
+                name: stack.enter_context(EngineProcess(model, configs[name], engine, cpus)) for name in order
+            }
+            off, on = procs["off"], procs["on"]
             off.wait_ready()
             on.wait_ready()
             for _ in range(warm_up_prompts(engine, prompt_tokens)):
@@ -384,10 +412,20 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         return [statistics.median(s.ttft for s in samples) for samples in taken[case]]
 
     ratios = [m / o for m, o in zip(per_pair("miss"), per_pair("off"), strict=True)]
+    forward_ratios = [
+        statistics.median(m.forward for m in ms) / statistics.median(o.forward for o in os_)
+        for ms, os_ in zip(taken["miss"], taken["off"], strict=True)
+    ]
     # How far the two ratios could move with other engines (see bench/bootstrap.py).
     ttfts = {case: [[s.ttft for s in samples] for samples in taken[case]] for case in MISS_CASES}
-    miss_low, miss_high = pair_bootstrap_interval(ttfts["miss"], ttfts["off"])
-    bypassed_low, bypassed_high = pair_bootstrap_interval(ttfts["bypassed"], ttfts["off"])
+    orders = [_kvtier_first(pair) for pair in range(MISS_PAIRS)]
+    miss_low, miss_high = pair_bootstrap_interval(ttfts["miss"], ttfts["off"], strata=orders)
+    bypassed_low, bypassed_high = pair_bootstrap_interval(ttfts["bypassed"], ttfts["off"], strata=orders)
+
+    def by_order(kvtier_first: bool) -> float:
+        pairs = [pair for pair in range(MISS_PAIRS) if _kvtier_first(pair) == kvtier_first]
+        return pooled_median_ratio([ttfts["miss"][i] for i in pairs], [ttfts["off"][i] for i in pairs])
+
     same_engine = [
         m.ttft / b.ttft
         for ms, bs in zip(taken["miss"], taken["bypassed"], strict=True)
@@ -425,6 +463,11 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         "ttft_miss_ratio_high95": round(miss_high, 3),
         "ttft_miss_ratio_per_pair": [round(r, 3) for r in ratios],
         "ttft_miss_ratio_geomean": round(float(np.exp(np.mean(np.log(ratios)))), 3),
+        # The start-order effect: each half's pooled ratio, and each pair's forward ratio.
+        "miss_pairs_kvtier_first": orders,
+        "ttft_miss_ratio_kvtier_first": round(by_order(True), 3),
+        "ttft_miss_ratio_kvtier_second": round(by_order(False), 3),
+        "ttft_miss_forward_ratio_per_pair": [round(r, 3) for r in forward_ratios],
         "ttft_bypassed_ratio": round(pooled_median_ratio(ttfts["bypassed"], ttfts["off"]), 3),
         "ttft_bypassed_ratio_low95": round(bypassed_low, 3),
         "ttft_bypassed_ratio_high95": round(bypassed_high, 3),
@@ -447,10 +490,14 @@ def bench_ttft(
     the floor assumes.
     """
     from app.client import ServiceClient
+    from bench.models import BENCH
+    from connector.planning import Geometry, external_tokens
     from storage.base import Tier
     from tests.e2e.harness import generate_each, make_prompt, running_engine
 
     engine = dict(enable_prefix_caching=False, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
+    loaded = external_tokens(prompt_tokens // TTFT_CHUNK, 0, prompt_tokens, Geometry(32, TTFT_CHUNK))
+    kv_bytes = loaded * BENCH.kv_bytes_per_token  # what a full CPU hit copies
     prompts = [make_prompt(9000 + i, prompt_tokens) for i in range(repeat)]
     fresh_all = [make_prompt(9700 + i, prompt_tokens) for i in range(repeat)]
     warm_up = [make_prompt(600_000 + i, prompt_tokens) for i in range(warm_up_prompts(engine, prompt_tokens))]
@@ -458,14 +505,12 @@ def bench_ttft(
     def ttft(llm: Any, batch: list[list[int]]) -> float:
         return statistics.median(_ttft_once(llm, p) for p in batch)
 
-    def in_turns(llm: Any, a: list[list[int]], b: list[list[int]], rounds: int = 3) -> tuple[float, float]:
-        # Medians of single samples of a's and b's prompts taken in turn, rounds times over them:
-        # the engine's speed drifts by several % within seconds here, and taken in turn both
-        # figures see the same drift.
-        pairs = [
-            (_ttft_once(llm, x), _ttft_once(llm, y)) for _ in range(rounds) for x, y in zip(a, b, strict=True)
-        ]
-        return statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
+    def in_turns(*samplers: Callable[[int], float], rounds: int = 3) -> list[float]:
+        # Medians of single samples of each sampler (given a prompt's index) taken in turn, rounds
+        # times over the prompts: this VM's speed (compute and memory alike) drifts by several %
+        # within seconds, and taken in turn every figure sees the same drift.
+        taken = [[sample(i) for sample in samplers] for _ in range(rounds) for i in range(repeat)]
+        return [statistics.median(turn[k] for turn in taken) for k in range(len(samplers))]
 
     miss = bench_miss(model, tmp, engine, prompt_tokens)
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens}
@@ -482,10 +527,15 @@ def bench_ttft(
                 out["ttft_miss_ms"] = ttft(llm, prompts)  # stores them
                 _wait_stored(client, _full_chunks(prompts))
                 # The floor's one-token TTFT comes from this same engine (engines differ, see above),
-                # each sample next to a hit's. Hits of a prompt again, 3 rounds over the 5 prompts:
-                # a hit changes nothing stored, and 5 prompts' slots (120 MiB) are cold again by
-                # their next turn, as the floor's memcpy assumes.
-                out["ttft_cpu_hit_ms"], out["ttft_one_token_ms"] = in_turns(llm, prompts, [[5]] * repeat)
+                # and its cold memcpy from this process, each sample next to a hit's (the memory's
+                # speed drifts too: 11-20 GB/s from one run to the next here). Hits of a prompt
+                # again, 3 rounds over the 5 prompts: a hit changes nothing stored, and 5 prompts'
+                # slots (120 MiB) are cold again by their next turn, as the floor's memcpy is.
+                out["ttft_cpu_hit_ms"], out["ttft_one_token_ms"], memcpy_s = in_turns(
+                    lambda i: _ttft_once(llm, prompts[i]),
+                    lambda i: _ttft_once(llm, [5]),
+                    _cold_copy_sampler(kv_bytes),
+                )
                 client.clear([Tier.CPU]).result(30)
                 out["ttft_disk_hit_ms"] = ttft(llm, prompts)
                 if redis_url:
@@ -503,16 +553,11 @@ def bench_ttft(
         out["ttft_vllm_prefix_hit_ms"] = ttft(llm, prompts)
         out["ttft_vllm_one_token_ms"] = ttft(llm, [[5]] * repeat)
     out.update(bench_hit_over_prefix_hit(model, tmp, engine, prompts, warm_up))
-    from bench.models import BENCH
-    from connector.planning import Geometry, external_tokens
-
-    loaded = external_tokens(prompt_tokens // TTFT_CHUNK, 0, prompt_tokens, Geometry(32, TTFT_CHUNK))
-    kv_bytes = loaded * BENCH.kv_bytes_per_token
     # A hit copies bytes nobody touched since they were stored (its slots, its free blocks), so the
     # floor moves them at the speed of a memcpy of cold bytes; one 4 MiB chunk copied over and over
     # (bench_copy's reference) stays in cache and runs about twice as fast here.
-    memcpy = cold_memcpy_gbps(kv_bytes)
-    memcpy_ms = kv_bytes / (memcpy * 1e9) * 1000
+    memcpy = round(kv_bytes / memcpy_s / 1e9, 2)
+    memcpy_ms = memcpy_s * 1000
     floor_ms = memcpy_ms + out["ttft_one_token_ms"] * 1000
     warm_floor_ms = kv_bytes / (bench_copy(3)["memcpy_gbps"] * 1e9) * 1000 + out["ttft_one_token_ms"] * 1000
     out["cold_memcpy_gbps"] = memcpy

@@ -44,12 +44,14 @@ class Sample:
 @contextlib.contextmanager
 def kvtier_bypassed(llm: Any) -> Iterator[None]:
     """kvtier's scheduler side answers "nothing to load, nothing to save" while inside: the engine
-    keeps its connector configured, so only kvtier's own work is left out."""
+    keeps its connector configured, so only kvtier's own work is left out. No lookup is sent either:
+    its answer would go unread (and a hit's lease held until it expired)."""
     from connector.metadata import KVTierMetadata
     from tests.e2e.introspect import scheduler_connector
 
     conn = scheduler_connector(llm)
     stand_ins = {
+        "on_new_request": lambda request: None,
         "get_num_new_matched_tokens": lambda request, num_computed_tokens: (0, False),
         "update_state_after_alloc": lambda request, blocks, num_external_tokens: None,
         "build_connector_meta": lambda scheduler_output: KVTierMetadata(),

@@ -30,6 +30,19 @@ def test_the_same_samples_give_the_same_interval() -> None:
     assert pair_bootstrap_interval(num, den) == pair_bootstrap_interval(num, den)
 
 
+def test_strata_keep_each_resample_balanced_between_labels() -> None:
+    # Two kinds of pair (kvtier's engine started first or second) with ratios 0.9 and 1.1: resampled
+    # freely, a draw can hold only one kind; kept balanced, every draw pools both halves.
+    den = [[100.0, 100.0], [100.0, 100.0], [100.0, 100.0], [100.0, 100.0]]
+    num = [[90.0, 90.0], [110.0, 110.0], [90.0, 90.0], [110.0, 110.0]]
+    free_low, free_high = pair_bootstrap_interval(num, den)
+    low, high = pair_bootstrap_interval(num, den, strata=[0, 1, 0, 1])
+    assert (free_low, free_high) == pytest.approx((0.9, 1.1))
+    assert free_low < low <= 1.0 <= high < free_high
+    with pytest.raises(ValueError, match="one stratum per pair"):
+        pair_bootstrap_interval(num, den, strata=[0, 1])
+
+
 def test_unmatched_pairs_or_a_bad_level_are_refused() -> None:
     with pytest.raises(ValueError, match="same number"):
         pair_bootstrap_interval([[1.0]], [[1.0], [2.0]])

@@ -96,6 +96,11 @@ def test_a_hook_that_raises_is_still_counted_and_restore_puts_the_methods_back(c
 
 def test_bypassing_kvtier_keeps_the_timers_it_shadowed() -> None:
     class Scheduler:
+        lookups = 0
+
+        def on_new_request(self, request: Any) -> None:
+            self.lookups += 1
+
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
             return 5, False
 
@@ -112,11 +117,15 @@ def test_bypassing_kvtier_keeps_the_timers_it_shadowed() -> None:
     timer = vars(connector)["get_num_new_matched_tokens"]
 
     with kvtier_bypassed(llm):
+        connector.on_new_request(None)  # no lookup is sent while bypassed
+        assert connector.lookups == 0
         assert connector.get_num_new_matched_tokens(None, 0) == (0, False)
         assert "build_connector_meta" in vars(connector)
     assert vars(connector)["get_num_new_matched_tokens"] is timer  # the timer, not the stand-in
     assert "build_connector_meta" not in vars(connector)  # nothing was there before: removed
     assert connector.get_num_new_matched_tokens(None, 0) == (5, False)
+    connector.on_new_request(None)
+    assert connector.lookups == 1
 
 
 def test_model_runner_is_found_under_the_worker_wrapper_or_the_worker() -> None:
