@@ -229,7 +229,8 @@ class WorkerSide:
             self._finish_loads()
 
     def _load_layered(self, jobs: list[LoadJob]) -> None:
-        """Issue the step's sync loads layer by layer; the forward waits per layer."""
+        """Issue the step's sync loads layer by layer; the forward waits per layer (or, where the
+        copier does not overlap loads with the forward, copy them all here)."""
         started = time.monotonic()
         chunks: list[tuple[Any, int, list[int]]] = []
         planned: list[tuple[LoadJob, list[int]]] = []

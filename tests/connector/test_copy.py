@@ -16,6 +16,7 @@ from connector.copy import (
     LayoutError,
     block_planes,
     block_runs,
+    loads_overlap,
     pin_host_buffer,
     unpin_host_buffer,
 )
@@ -235,7 +236,7 @@ def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_by
     buf = slot_bytes(saver.chunk_bytes)
     saver.save(saver.slot_view(buf), [4, 5, 6])
     dst = [torch.zeros_like(t) for t in src]
-    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS)
+    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS, overlap_loads=True)
     assert loader.cpu_threads == 2
     release = threading.Event()
     loader._helper.submit(release.wait)  # e.g. an earlier step's loads, still running there
@@ -255,6 +256,34 @@ def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_by
     loader.wait()  # the copy thread's turn comes after: it finds nothing left to copy
     for s, d in zip(src, dst, strict=True):
         assert all(torch.equal(d[b], s[b + 3]) for b in (1, 2, 3))
+    saver.close()
+    loader.close()
+
+
+def test_loads_overlap_the_forward_only_with_a_cpu_the_model_leaves_free() -> None:
+    assert not loads_overlap(None, 1)
+    assert not loads_overlap(frozenset({0, 1}), 2)  # 2 cores, 2 compute threads: no core to spare
+    assert not loads_overlap(frozenset({0, 1}), 4)
+    assert loads_overlap(frozenset({0, 1, 2}), 2)
+
+
+def test_without_overlap_the_loads_are_in_place_when_load_layers_returns(slot_bytes) -> None:
+    src = [_kv_cpu(70 + i) for i in range(3)]
+    saver = BlockCopier(src, NUM_BLOCKS, blocks_per_chunk=3)
+    buf = slot_bytes(saver.chunk_bytes)
+    saver.save(saver.slot_view(buf), [4, 5, 6])
+    dst = [torch.zeros_like(t) for t in src]
+    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS, overlap_loads=False)
+    release = threading.Event()
+    assert loader._helper is not None
+    loader._helper.submit(release.wait)  # loads handed to the copy thread would wait behind this
+    try:
+        loads = loader.load_layers([(loader.slot_view(buf), 0, [1, 2, 3])])
+        for s, d in zip(src, dst, strict=True):  # before any wait_layer
+            assert all(torch.equal(d[b], s[b + 3]) for b in (1, 2, 3))
+        assert loads.finish() is None and loads.ended is not None
+    finally:
+        release.set()
     saver.close()
     loader.close()
 

@@ -44,6 +44,7 @@ def test_each_layer_is_in_place_once_its_wait_returns_and_the_lease_ends_after_t
 ) -> None:
     worker, client, kv, arena = arena_worker
     assert worker.copier.cpu_threads == 2
+    worker.copier.overlap_loads = True  # as where the copy thread has a CPU of its own
     slot, stored = _stored_slot(worker, arena, 0)
     gate = threading.Event()
     at_gate = threading.Event()
@@ -74,6 +75,26 @@ def test_each_layer_is_in_place_once_its_wait_returns_and_the_lease_ends_after_t
         assert torch.equal(_layer_block(kv, layer, 4), stored[layer, 1])
     worker.wait_for_layer_load("layer1")
     worker.wait_for_layer_load("layer2")
+    worker.wait_for_save()
+    assert worker.take_load_errors() == set()
+    assert client.released == ["lease-r1"]
+    stats = worker.stats()
+    assert stats["loaded_chunks"] == 1 and stats["unwaited_layer_loads"] == 0
+
+
+def test_without_a_cpu_to_spare_start_load_puts_every_layer_in_place_before_the_forward(
+    arena_worker,
+) -> None:
+    worker, client, kv, arena = arena_worker
+    worker.copier.overlap_loads = False  # the model's threads use every CPU (this 2-core VM)
+    slot, stored = _stored_slot(worker, arena, 0)
+    _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    for layer in range(LAYERS):  # before any layer's wait
+        assert torch.equal(_layer_block(kv, layer, 3), stored[layer, 0])
+        assert torch.equal(_layer_block(kv, layer, 4), stored[layer, 1])
+    assert client.released == []  # the lease ends after the forward, as with overlapped loads
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(f"layer{layer}")
     worker.wait_for_save()
     assert worker.take_load_errors() == set()
     assert client.released == ["lease-r1"]
