@@ -32,6 +32,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check app storage connector tests bench docs
+	$(VENV)/bin/ruff format --check app storage connector tests bench docs
 	$(VENV)/bin/mypy
 
 demo: install

@@ -82,9 +82,7 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         ) from None
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
         groups = 0 if kv_cache_config is None else len(kv_cache_config.kv_cache_groups)
-        raise UnsupportedEngine(
-            f"kvtier serves models with one KV cache group; this engine has {groups}"
-        )
+        raise UnsupportedEngine(f"kvtier serves models with one KV cache group; this engine has {groups}")
     hash_block = getattr(kv_cache_config, "hash_block_size", None)
     if hash_block not in (None, block_size):
         raise UnsupportedEngine(

@@ -42,9 +42,7 @@ class KVTierStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         """One interval's figures for vLLM's logger."""
-        out: dict[str, int | float] = {
-            k: v for k, v in self.data.items() if isinstance(v, int | float)
-        }
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if isinstance(v, int | float)}
         count = self.data.get("lookup_count", 0)
         if count:
             out["lookup_avg_ms"] = round(1000.0 * self.data.get("lookup_seconds", 0.0) / count, 3)
@@ -73,9 +71,7 @@ def _connect(cfg: ConnectorConfig) -> ServiceClient:
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier's vLLM KV connector: CPU, disk and Redis tiers behind one lookup."""
 
-    def __init__(
-        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
-    ) -> None:
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -115,9 +111,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return False
 
     # ------------------------------------------------------------------------------ scheduler
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvtier can load for this request; (None, False) asks vLLM to try next step."""
         if self._sched is None:
             return 0, False
@@ -151,9 +145,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._sched is not None:
             self._sched.update_connector_output(connector_output)
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's lease; hold its blocks while copies may still read them."""
         if self._sched is None:
             return False, None
@@ -164,9 +156,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._sched is None or num_external_tokens == 0:
             return {}
         sources: dict[Any, int] = {}
-        for tier, tokens in self._sched.get_external_cache_hit_sources(
-            request, num_external_tokens
-        ).items():
+        for tier, tokens in self._sched.get_external_cache_hit_sources(request, num_external_tokens).items():
             key = _hit_source(tier)
             sources[key] = sources.get(key, 0) + tokens
         return sources
@@ -207,9 +197,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves copy all layers at once in wait_for_save."""
         return
 
@@ -252,9 +240,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
-    def build_kv_connector_stats(
-        cls, data: dict[str, Any] | None = None
-    ) -> KVConnectorStats | None:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         """Rebuild stats sent from another process."""
         return KVTierStats(data=dict(data or {}))
 

@@ -38,9 +38,7 @@ def chunk_hashes(block_hashes: Sequence[bytes], geo: Geometry) -> list[bytes]:
     return [bytes(block_hashes[(i + 1) * bpc - 1]) for i in range(len(block_hashes) // bpc)]
 
 
-def external_tokens(
-    num_hit_chunks: int, num_computed_tokens: int, num_tokens: int, geo: Geometry
-) -> int:
+def external_tokens(num_hit_chunks: int, num_computed_tokens: int, num_tokens: int, geo: Geometry) -> int:
     """Tokens vLLM may take from kvtier (Invariant 3).
 
     Block-aligned, never negative, and never the whole sequence: at least one token is left to compute
@@ -63,9 +61,7 @@ class ChunkSpan:
     table_start: int
 
 
-def load_spans(
-    num_computed_tokens: int, num_external_tokens: int, geo: Geometry
-) -> list[ChunkSpan]:
+def load_spans(num_computed_tokens: int, num_external_tokens: int, geo: Geometry) -> list[ChunkSpan]:
     """The chunk pieces that cover the external tokens, block by block."""
     if num_external_tokens <= 0:
         return []

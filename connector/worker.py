@@ -172,9 +172,7 @@ class WorkerSide:
                     self._fence()  # no copy may still use the mapping that adopt() replaces
                 self._arena.adopt(reply)
             except (ServiceError, concurrent.futures.TimeoutError, OSError) as exc:
-                log.warning(
-                    "kvtier: service not reachable yet (%s); loads and saves are skipped", exc
-                )
+                log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
             except Exception as exc:  # a failed mapping must not take vLLM down
                 log.warning("kvtier: cannot map the arena: %s", exc)
             else:
@@ -336,9 +334,7 @@ class WorkerSide:
         bad = set(failed)
         ok = [c for i, c in enumerate(job.chunks) if i not in bad]
         self.counters.loaded_chunks += len(ok)
-        self.counters.loaded_tokens += (
-            sum(len(c.block_ids) for c in ok) * self.cfg.geometry.block_size
-        )
+        self.counters.loaded_tokens += sum(len(c.block_ids) for c in ok) * self.cfg.geometry.block_size
         if failed:
             self._fail_job(job, failed)
 
@@ -410,9 +406,7 @@ class WorkerSide:
             self._held[req_id] = self._saves_issued
         self._held_now = set()
 
-    def _plan_save(
-        self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]
-    ) -> _SavedJob:
+    def _plan_save(self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]) -> _SavedJob:
         """Add job's chunk copies to chunks; the chunks to commit once they are done."""
         assert self.client is not None and self.copier is not None
         skip = job.req_id in self._failed_this_step  # nothing computed on a failed load is stored

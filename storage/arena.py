@@ -329,9 +329,7 @@ def _warn_unless_in_memory(directory: Path) -> None:
         )
 
 
-def reap_stale_arenas(
-    directory: str | os.PathLike[str], min_age_s: float = _STALE_AGE_S
-) -> list[str]:
+def reap_stale_arenas(directory: str | os.PathLike[str], min_age_s: float = _STALE_AGE_S) -> list[str]:
     """Remove arena files whose owner died (nobody holds their lock); returns the removed paths.
 
     An arena is locked before it is renamed to its final name, so an unlocked ``.arena`` file is

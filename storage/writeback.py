@@ -156,9 +156,7 @@ class WriteBack:
                 if isinstance(result, BaseException):
                     log.error("tier %s raised on put of %s: %r", tier.tier.label, item.key, result)
         if item.cancelled:  # deleted while the write was running: do not leave it behind
-            await asyncio.gather(
-                *(tier.delete(item.key) for tier in self._tiers), return_exceptions=True
-            )
+            await asyncio.gather(*(tier.delete(item.key) for tier in self._tiers), return_exceptions=True)
 
     def _finish(self, item: _Item) -> None:
         if self._pending.get(item.key) is item:
