@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -230,13 +231,25 @@ def test_the_fence_waits_for_a_save_still_copying(slot_bytes, monkeypatch) -> No
     copier.close()
 
 
-def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_bytes) -> None:
-    src = [_kv_cpu(50 + i) for i in range(4)]
+def _one_saved_chunk(
+    slot_bytes: Any, seed: int, layers: int, overlap_loads: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, BlockCopier]:
+    """Blocks 4-6 of random CPU layers saved into one slot, and a loader (with a copy thread) over
+    zeroed layers of the same shape: (source layers, zeroed layers, slot, loader)."""
+    src = [_kv_cpu(seed + i) for i in range(layers)]
     saver = BlockCopier(src, NUM_BLOCKS, blocks_per_chunk=3)
     buf = slot_bytes(saver.chunk_bytes)
     saver.save(saver.slot_view(buf), [4, 5, 6])
+    saver.close()
     dst = [torch.zeros_like(t) for t in src]
-    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS, overlap_loads=True)
+    loader = BlockCopier(
+        dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS, overlap_loads=overlap_loads
+    )
+    return src, dst, buf, loader
+
+
+def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_bytes) -> None:
+    src, dst, buf, loader = _one_saved_chunk(slot_bytes, 50, layers=4, overlap_loads=True)
     assert loader.cpu_threads == 2
     release = threading.Event()
     loader._helper.submit(release.wait)  # e.g. an earlier step's loads, still running there
@@ -256,7 +269,6 @@ def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_by
     loader.wait()  # the copy thread's turn comes after: it finds nothing left to copy
     for s, d in zip(src, dst, strict=True):
         assert all(torch.equal(d[b], s[b + 3]) for b in (1, 2, 3))
-    saver.close()
     loader.close()
 
 
@@ -268,12 +280,7 @@ def test_loads_overlap_the_forward_only_with_a_cpu_the_model_leaves_free() -> No
 
 
 def test_without_overlap_the_loads_are_in_place_when_load_layers_returns(slot_bytes) -> None:
-    src = [_kv_cpu(70 + i) for i in range(3)]
-    saver = BlockCopier(src, NUM_BLOCKS, blocks_per_chunk=3)
-    buf = slot_bytes(saver.chunk_bytes)
-    saver.save(saver.slot_view(buf), [4, 5, 6])
-    dst = [torch.zeros_like(t) for t in src]
-    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=3, helper_cpus=TWO_CPUS, overlap_loads=False)
+    src, dst, buf, loader = _one_saved_chunk(slot_bytes, 70, layers=3, overlap_loads=False)
     release = threading.Event()
     assert loader._helper is not None
     loader._helper.submit(release.wait)  # loads handed to the copy thread would wait behind this
@@ -284,7 +291,6 @@ def test_without_overlap_the_loads_are_in_place_when_load_layers_returns(slot_by
         assert loads.finish() is None and loads.ended is not None
     finally:
         release.set()
-    saver.close()
     loader.close()
 
 
