@@ -93,6 +93,10 @@ log = logging.getLogger("kvtier.client")
 DEFAULT_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
 SWEEP_PERIOD_S = 0.01  # timeouts fire within this much of their deadline
+# The sweep goes on this long after the client was last busy: a call or release_nowait() made while
+# it runs only sets state the next sweep reads, where starting a sweep wakes the loop thread (on a
+# 2-core VM that wake-up put the loop thread on the caller's core, in the middle of vLLM's step).
+SWEEP_LINGER_S = 1.0
 _DOWN, _CONNECTING, _READY, _CLOSED = "down", "connecting", "ready", "closed"
 
 
@@ -149,6 +153,7 @@ class ServiceClient:
         # takes one without the lock.
         self._releases: deque[str] = deque()
         self._sweeping = False
+        self._idle_since: float | None = None  # when the sweep first found nothing to do (loop thread)
         self._closed = False
         self._hello: HelloReply | None = None
         self._specs: dict[NamespaceSpec, None] = {}  # ordered set; read and written under _lock
@@ -408,7 +413,8 @@ class ServiceClient:
 
     def _sweep(self) -> None:
         """Fail calls past their deadline and watch for replies again when no caller reads them;
-        runs every SWEEP_PERIOD_S while any call is waiting or the loop thread is not watching."""
+        runs every SWEEP_PERIOD_S while any call is waiting or the loop thread is not watching, and
+        for SWEEP_LINGER_S after that (loop thread)."""
         now = time.monotonic()
         self._send_releases()  # release_nowait() appends before it checks that a sweep is on
         with self._lock:
@@ -427,13 +433,18 @@ class ServiceClient:
                 and not self._releases
                 and (channel is None or channel.watched)
             )
-            if idle:
-                self._sweeping = False
+            stop = False
+            if not idle:
+                self._idle_since = None
+            elif self._idle_since is None:
+                self._idle_since = now
+            elif now - self._idle_since >= SWEEP_LINGER_S:
+                stop, self._sweeping, self._idle_since = True, False, None
         for call in expired:
             fail(call, CallTimeout(f"no answer from {self.url} in time"))
         for call in queued:
             fail(call, CallTimeout(f"not connected to {self.url} in time"))
-        if not idle:
+        if not stop:
             self._loop.call_later(SWEEP_PERIOD_S, self._sweep)
 
     def _take_expired(self, now: float) -> list[Call]:

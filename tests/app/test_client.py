@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from app import client as client_module
 from app import protocol as p
 from app.channel import Call, Channel
 from app.client import (
@@ -165,6 +166,32 @@ def test_release_nowait_goes_out_without_a_later_call(tmp_path: Path) -> None:
         client.release_nowait("r1")
         # No other call follows: the client's sweep sends it.
         assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+
+
+def test_a_release_while_the_sweep_lingers_goes_out_without_waking_the_loop_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "SWEEP_LINGER_S", 60.0)
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        _stored_and_leased(client, "r1")  # its calls started the sweep
+        time.sleep(0.2)  # many sweeps later: the sweep found nothing to do, and lingers
+        wakes: list[Any] = []
+        wake = client._loop.call_soon_threadsafe
+        monkeypatch.setattr(client._loop, "call_soon_threadsafe", lambda *a: (wakes.append(a), wake(*a))[1])
+        client.release_nowait("r1")
+        assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)  # the next sweep sent it
+        assert wakes == []
+
+
+def test_the_sweep_stops_once_the_client_was_idle_for_its_linger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "SWEEP_LINGER_S", 0.05)
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        assert client.health().result(5).serving
+        assert wait_until(lambda: not client._sweeping)  # no wake-ups go on while nothing happens
+        client.release_nowait("r0")  # starts it again
+        assert client._sweeping and wait_until(lambda: not client._sweeping)
 
 
 def test_release_nowait_made_while_connecting_is_sent_once_connected(tmp_path: Path) -> None:
