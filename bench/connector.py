@@ -6,7 +6,9 @@
 (c) TTFT on the CPU engine for a long prompt with a model of 16 KiB of KV per token: CPU-tier hit,
     disk hit, Redis hit, miss with kvtier, and without kvtier, with the floor of a CPU hit
     (bytes loaded / memcpy bandwidth of as many cold bytes + TTFT of a one-token prompt in the same
-    engine; ``ttft_cpu_hit_warm_floor_ratio`` uses a cache-warm memcpy instead).
+    engine, run right after that memcpy as a hit's forward runs right after its copy;
+    ``ttft_cpu_hit_warm_one_token_floor_ratio`` takes a one-token prompt run right after a hit
+    instead, and ``ttft_cpu_hit_warm_floor_ratio`` that prompt and a cache-warm memcpy).
     ``ttft_miss_ratio`` is a miss with the default tiers (CPU + disk) against no kvtier. Engines
     started one after another on this VM differ by up to 40% for the same prompts, and the VM drifts
     over minutes, so the miss is measured on pairs of engines in processes of their own, one with
@@ -36,12 +38,13 @@
     twice: its hit copies nothing, yet computes the last token against the whole cached context,
     which the floor's one-token prompt does not. ``ttft_vllm_prefix_hit_one_token_ratio`` (that
     hit / that engine's one-token TTFT) sits beside ``ttft_cpu_hit_one_token_ratio`` (kvtier's CPU
-    hit / its engine's one-token TTFT): each a ratio within one engine. The floor leaves that
+    hit / its engine's one-token TTFT after a hit): each a ratio within one engine. The floor leaves that
     attention over the context out, so a third engine, with kvtier and vLLM's prefix cache both,
     times kvtier's CPU hit against vLLM's hit of the same prompts: ``cpu_hit_over_prefix_hit_ms``
     is what loading the KV costs over a hit that copies nothing, and
     ``cpu_hit_load_over_memcpy_ratio`` that cost over a cold memcpy of the bytes loaded.
-    The CPU hit and the floor's one-token prompt are sampled in turn (3 rounds over 5 prompts).
+    The CPU hit, the floor's memcpy and one-token prompt, and the one-token prompt after a hit are
+    sampled in turn (3 rounds over 5 prompts).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,14 @@ def _median_time(fn: Callable[[], Any], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def in_turns(samplers: Sequence[Callable[[int], float]], count: int, rounds: int = 3) -> list[float]:
+    """Each sampler's median over single samples taken in turn (sampler by sampler, in the order
+    given, for indexes 0..count-1, rounds times over): this VM's speed (compute and memory alike)
+    drifts by several % within seconds, and taken in turn every figure sees the same drift."""
+    taken = [[sample(i) for sample in samplers] for _ in range(rounds) for i in range(count)]
+    return [statistics.median(turn[k] for turn in taken) for k in range(len(samplers))]
 
 
 def _ttft_once(llm: Any, prompt: list[int]) -> float:
@@ -505,13 +516,6 @@ def bench_ttft(
     def ttft(llm: Any, batch: list[list[int]]) -> float:
         return statistics.median(_ttft_once(llm, p) for p in batch)
 
-    def in_turns(*samplers: Callable[[int], float], rounds: int = 3) -> list[float]:
-        # Medians of single samples of each sampler (given a prompt's index) taken in turn, rounds
-        # times over the prompts: this VM's speed (compute and memory alike) drifts by several %
-        # within seconds, and taken in turn every figure sees the same drift.
-        taken = [[sample(i) for sample in samplers] for _ in range(rounds) for i in range(repeat)]
-        return [statistics.median(turn[k] for turn in taken) for k in range(len(samplers))]
-
     miss = bench_miss(model, tmp, engine, prompt_tokens)
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens}
     with _redis(tmp) as redis_url:
@@ -531,11 +535,21 @@ def bench_ttft(
                 # speed drifts too: 11-20 GB/s from one run to the next here). Hits of a prompt
                 # again, 3 rounds over the 5 prompts: a hit changes nothing stored, and 5 prompts'
                 # slots (120 MiB) are cold again by their next turn, as the floor's memcpy is.
-                out["ttft_cpu_hit_ms"], out["ttft_one_token_ms"], memcpy_s = in_turns(
-                    lambda i: _ttft_once(llm, prompts[i]),
-                    lambda i: _ttft_once(llm, [5]),
-                    _cold_copy_sampler(kv_bytes),
+                # The floor copies, then computes one token, as a hit does: its one-token prompt runs
+                # right after the cold memcpy, which left the CPU's caches as a hit's copy leaves them
+                # for its forward. A one-token prompt right after a hit (caches warm from the hit's
+                # forward) is reported beside it.
+                hit_s, one_warm_s, memcpy_s, one_s = in_turns(
+                    [
+                        lambda i: _ttft_once(llm, prompts[i]),
+                        lambda i: _ttft_once(llm, [5]),
+                        _cold_copy_sampler(kv_bytes),
+                        lambda i: _ttft_once(llm, [5]),
+                    ],
+                    repeat,
                 )
+                out["ttft_cpu_hit_ms"], out["ttft_one_token_ms"] = hit_s, one_s
+                out["ttft_one_token_warm_ms"] = one_warm_s
                 client.clear([Tier.CPU]).result(30)
                 out["ttft_disk_hit_ms"] = ttft(llm, prompts)
                 if redis_url:
@@ -559,7 +573,9 @@ def bench_ttft(
     memcpy = round(kv_bytes / memcpy_s / 1e9, 2)
     memcpy_ms = memcpy_s * 1000
     floor_ms = memcpy_ms + out["ttft_one_token_ms"] * 1000
-    warm_floor_ms = kv_bytes / (bench_copy(3)["memcpy_gbps"] * 1e9) * 1000 + out["ttft_one_token_ms"] * 1000
+    warm_one_token_floor_ms = memcpy_ms + out["ttft_one_token_warm_ms"] * 1000
+    warm_memcpy_ms = kv_bytes / (bench_copy(3)["memcpy_gbps"] * 1e9) * 1000
+    warm_floor_ms = warm_memcpy_ms + out["ttft_one_token_warm_ms"] * 1000
     out["cold_memcpy_gbps"] = memcpy
     out = {k: (round(v * 1000, 2) if k.endswith("_ms") else v) for k, v in out.items()}
     out.update({k: (round(v, 2) if k.endswith("_ms") else v) for k, v in miss.items()})
@@ -573,8 +589,11 @@ def bench_ttft(
         out["ttft_miss_ratio_all_tiers"] = round(out["ttft_miss_fresh_all_tiers_ms"] / out["ttft_off_ms"], 3)
     out["ttft_cpu_hit_floor_ratio"] = round(out["ttft_cpu_hit_ms"] / floor_ms, 3)
     out["ttft_cpu_hit_warm_floor_ratio"] = round(out["ttft_cpu_hit_ms"] / warm_floor_ms, 3)
+    out["ttft_cpu_hit_warm_one_token_floor_ratio"] = round(
+        out["ttft_cpu_hit_ms"] / warm_one_token_floor_ms, 3
+    )
     out["ttft_cpu_hit_speedup"] = round(out["ttft_off_ms"] / out["ttft_cpu_hit_ms"], 2)
-    out["ttft_cpu_hit_one_token_ratio"] = round(out["ttft_cpu_hit_ms"] / out["ttft_one_token_ms"], 3)
+    out["ttft_cpu_hit_one_token_ratio"] = round(out["ttft_cpu_hit_ms"] / out["ttft_one_token_warm_ms"], 3)
     out["ttft_vllm_prefix_hit_one_token_ratio"] = round(
         out["ttft_vllm_prefix_hit_ms"] / out["ttft_vllm_one_token_ms"], 3
     )
