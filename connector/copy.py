@@ -69,7 +69,9 @@ def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     )
 
 
-_Run = tuple[int, int, int]  # (index of the run's first id, first block id, length)
+# A run of block ids that step by +1 or -1: (index of its first id, length, its blocks' rows in the
+# ids' order, as a slice of a layer's plane).
+_Run = tuple[int, int, slice]
 # A CPU copy of layers [lo, hi): (lo, hi, slot, runs, first slot row).
 _LayerCopy = Callable[[int, int, np.ndarray, list[_Run], int], None]
 
@@ -201,13 +203,29 @@ def loads_overlap(helper_cpus: frozenset[int] | None, compute_threads: int) -> b
 
 
 def block_runs(ids: Sequence[int]) -> list[_Run]:
-    """Runs of consecutive block ids as (index of the run's first id, first block id, length)."""
+    """Runs of block ids that step by +1 (a fresh engine's) or by -1, as (index of the run's first
+    id, length, the rows of its blocks in the ids' order).
+
+    vLLM frees a request's blocks last one first and hands out the longest-free blocks first, so
+    once its never-used blocks are gone, a new request's blocks mostly come in descending order
+    (seen with its prefix cache on). Taken one block at a time, a 256-token chunk at block size 32
+    was 8 copies per layer instead of 1; 6 such chunks loaded in 1.51 ms instead of 1.62 here.
+    """
     runs: list[_Run] = []
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((start, ids[start], i - start))
-            start = i
+    i, count = 0, len(ids)
+    while i < count:
+        first = ids[i]
+        step = -1 if i + 1 < count and ids[i + 1] == first - 1 else 1
+        end = i + 1
+        while end < count and ids[end] == ids[end - 1] + step:
+            end += 1
+        n = end - i
+        if step == 1:
+            rows = slice(first, first + n)
+        else:  # first, first - 1, ..., first - n + 1; a stop of -1 would mean the last row
+            rows = slice(first, first - n if first - n >= 0 else None, -1)
+        runs.append((i, n, rows))
+        i = end
     return runs
 
 
@@ -362,17 +380,17 @@ class BlockCopier:
         else:
             self._helper.submit(copy, 0, self.num_layers, slot, runs, first)
 
-    # One slice assignment per run of consecutive blocks and plane: a plain memcpy each (or a few),
-    # measured at memcpy speed here, where np.take / fancy indexing reach about two thirds of it.
-    # vLLM hands a fresh prompt mostly consecutive blocks, so a chunk is usually one run.
+    # One slice assignment per run of blocks (ascending or descending, see block_runs) and plane: a
+    # plain memcpy per block row, measured at memcpy speed here, where np.take / fancy indexing
+    # reach about two thirds of it. A chunk is usually one run.
     def _save_cpu(self, lo: int, hi: int, slot: np.ndarray, runs: list[_Run], first: int) -> None:
         for layer in range(lo, hi):
             dest = slot[layer]
             offset = 0
             for plane in self._np_layers[layer]:
                 width = plane.shape[1]
-                for j, block, n in runs:
-                    dest[first + j : first + j + n, offset : offset + width] = plane[block : block + n]
+                for j, n, rows in runs:
+                    dest[first + j : first + j + n, offset : offset + width] = plane[rows]
                 offset += width
 
     def _load_cpu(self, lo: int, hi: int, slot: np.ndarray, runs: list[_Run], first: int) -> None:
@@ -381,8 +399,8 @@ class BlockCopier:
             offset = 0
             for plane in self._np_layers[layer]:
                 width = plane.shape[1]
-                for j, block, n in runs:
-                    plane[block : block + n] = src[first + j : first + j + n, offset : offset + width]
+                for j, n, rows in runs:
+                    plane[rows] = src[first + j : first + j + n, offset : offset + width]
                 offset += width
 
     def load(self, slot: torch.Tensor, first: int, block_ids: Sequence[int]) -> None:

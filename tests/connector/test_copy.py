@@ -81,19 +81,27 @@ def test_save_then_load_restores_blocks(make, helper_cpus, device, slot_bytes) -
         assert not dst.select(bdim, 0).any()
 
 
-def test_block_runs_split_ids_where_they_stop_being_consecutive() -> None:
-    assert block_runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
-    assert block_runs([7]) == [(0, 7, 1)]
+def test_block_runs_split_ids_where_they_stop_stepping_by_one() -> None:
+    assert block_runs([4, 5, 6, 2, 3, 9]) == [(0, 3, slice(4, 7)), (3, 2, slice(2, 4)), (5, 1, slice(9, 10))]
+    assert block_runs([7]) == [(0, 1, slice(7, 8))]
     assert block_runs([]) == []
-    assert block_runs([3, 3, 4]) == [(0, 3, 1), (1, 3, 2)]
+    assert block_runs([3, 3, 4]) == [(0, 1, slice(3, 4)), (1, 2, slice(3, 5))]
+    # Descending runs (vLLM hands out freed blocks last one first), down to block 0 too.
+    assert block_runs([9, 8, 7, 2, 1, 0, 1]) == [
+        (0, 3, slice(9, 6, -1)),
+        (3, 3, slice(2, None, -1)),
+        (6, 1, slice(1, 2)),
+    ]
+    rows = list(range(10))
+    assert [rows[r] for _, _, r in block_runs([5, 4, 1, 0])] == [[5, 4], [1, 0]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("helper_cpus", [None, TWO_CPUS], ids=["one-thread", "copy-thread"])
 @pytest.mark.parametrize("make", [_kv_cpu, _kv_split])
-def test_runs_of_consecutive_blocks_copy_like_single_blocks(make, helper_cpus, device, slot_bytes) -> None:
+def test_runs_of_blocks_copy_like_single_blocks(make, helper_cpus, device, slot_bytes) -> None:
     src_layers = [make(4).to(device), make(5).to(device)]
-    saved = [1, 2, 3, 7, 8, 0]
+    saved = [1, 2, 3, 8, 7, 2, 1, 0]  # ascending, descending, descending down to block 0
     copier = BlockCopier(src_layers, NUM_BLOCKS, blocks_per_chunk=len(saved), helper_cpus=helper_cpus)
     buf = slot_bytes(copier.chunk_bytes)
     copier.save(copier.slot_view(buf), saved)
@@ -110,8 +118,8 @@ def test_runs_of_consecutive_blocks_copy_like_single_blocks(make, helper_cpus, d
     assert buf == one_by_one
     dst_layers = [torch.zeros_like(t) for t in src_layers]
     loader = BlockCopier(dst_layers, NUM_BLOCKS, blocks_per_chunk=len(saved), helper_cpus=helper_cpus)
-    targets = [4, 5, 9, 10, 11]
-    loader.load(loader.slot_view(buf), 1, targets)  # rows 1..5: blocks 2, 3, 7, 8, 0 of the source
+    targets = [4, 5, 11, 10, 9, 1, 0]
+    loader.load(loader.slot_view(buf), 1, targets)  # rows 1..7: blocks 2, 3, 8, 7, 2, 1, 0 of the source
     loader.wait()
     copier.close()
     loader.close()

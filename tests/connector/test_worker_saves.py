@@ -58,7 +58,7 @@ def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(
     real = copier._save_cpu
 
     def broken(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
-        if runs[0][1] == 4:  # the second chunk's copy fails
+        if runs[0][2].start == 4:  # the second chunk's copy fails (its blocks start at 4)
             raise MemoryError("simulated")
         real(lo, hi, slot, runs, first)
 
