@@ -93,9 +93,9 @@ log = logging.getLogger("kvtier.client")
 DEFAULT_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
 SWEEP_PERIOD_S = 0.01  # timeouts fire within this much of their deadline
-# The sweep goes on this long after the client was last busy: a call or release_nowait() made while
-# it runs only sets state the next sweep reads, where starting a sweep wakes the loop thread (on a
-# 2-core VM that wake-up put the loop thread on the caller's core, in the middle of vLLM's step).
+# The sweep goes on this long after the client was last busy, so that a call or release_nowait()
+# made meanwhile need not start one: starting a sweep wakes the loop thread, and on a 2-core VM that
+# wake-up ran the loop thread on the caller's core, in the middle of vLLM's step.
 SWEEP_LINGER_S = 1.0
 _DOWN, _CONNECTING, _READY, _CLOSED = "down", "connecting", "ready", "closed"
 
