@@ -31,6 +31,9 @@ class ConnectorConfig:
     layer_names: tuple[str, ...]
     failure_policy: str
     async_scheduling: bool
+    # Most tokens one step adds to a request that has computed all it knows: the sampled one and
+    # the speculative drafts (the scheduler side skips looking at a request until a save can be due).
+    step_tokens: int = 1
 
 
 def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -65,6 +68,12 @@ def _tp_pp_rank(role_is_worker: bool) -> tuple[int, int]:
         return get_tp_group().rank_in_group, get_pp_group().rank_in_group
     except Exception:
         return 0, 0
+
+
+def _step_tokens(vllm_config: Any) -> int:
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drafts = getattr(speculative, "num_speculative_tokens", None) if speculative is not None else 0
+    return 1 + max(0, int(drafts or 0))
 
 
 def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -> ConnectorConfig:
@@ -117,4 +126,5 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         layer_names=tuple(group.layer_names),
         failure_policy=str(getattr(kv_transfer, "kv_load_failure_policy", "fail")),
         async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        step_tokens=_step_tokens(vllm_config),
     )

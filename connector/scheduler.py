@@ -57,7 +57,7 @@ class _Request:
     request: Any
     block_table: list[int] = field(default_factory=list)
     watermark: int = 0
-    # Tokens [quiet_from, quiet_until) of computed-after-the-step: no save can be due (see _scan).
+    # Tokens [quiet_from, quiet_until) of computed-after-the-step: no save can be due (see _look).
     quiet_from: int = 0
     quiet_until: int = 0
     lease_id: str = ""
@@ -66,6 +66,10 @@ class _Request:
     async_load_pending: bool = False
     saved_any: bool = False
     hit_sources: dict[Tier, int] = field(default_factory=dict)
+    # The step at which build_connector_meta next looks at it for saves (-1: once vLLM schedules
+    # it afresh), and the step it last did (see _look).
+    look_at: int = -1
+    looked: int = -1
 
 
 class SchedulerSide:
@@ -85,6 +89,9 @@ class SchedulerSide:
         self._budget_s = cfg.settings.lookup_budget_ms / 1000.0
         self._budget_left = self._budget_s
         self._bpc = self.geo.blocks_per_chunk
+        self._step = 0  # build_connector_meta calls so far
+        self._looks: dict[int, list[_Request]] = {}  # step -> requests to look at then (see _look)
+        self._step_tokens = max(1, cfg.step_tokens)
 
     # ------------------------------------------------------------------------------------ lookups
     def on_new_request(self, request: Any) -> None:
@@ -214,20 +221,30 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
         """This step's loads, saves, preemptions and held finished requests."""
         self._budget_left = self._budget_s
+        self._step = step = self._step + 1
         meta = KVTierMetadata()
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
-        new = so.scheduled_new_reqs
-        if new:
-            ids = [n.req_id for n in new]
-            tables = [n.block_ids for n in new]
-            self._scan(so, ids, tables, [n.num_computed_tokens for n in new], set(ids), meta)
-        cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids or None
-        self._scan(so, cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, resumed, meta)
-        # Async loads were planned for requests that are not scheduled this step.
-        meta.loads.extend(self._loads.values())
-        self._loads.clear()
+        looks = self._track_tables(so)
+        due = self._looks.pop(step, None)
+        if due:
+            cached = so.scheduled_cached_reqs
+            at = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            for st in due:
+                if st.look_at == step:  # else it was moved since (or ended)
+                    looks.append((st, at.get(st.request.request_id, -1)))
+        scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
+        for st, computed in looks:
+            self._look(st, step, computed, scheduled, spec, meta)
+        if self._loads:
+            # Async loads were planned for requests that are not scheduled this step.
+            for req_id, job in self._loads.items():
+                meta.loads.append(job)
+                loaded = self._reqs.get(req_id)
+                if loaded is not None and not job.is_async:
+                    # A load that fails moves num_computed_tokens back: look at the request again.
+                    self._look_at(loaded, step + 1)
+            self._loads.clear()
         meta.saves.extend(self._final_saves)
         self._final_saves = []
         meta.held, self._held = self._held, []
@@ -239,49 +256,82 @@ class SchedulerSide:
             return
         meta.preempted.append(req_id)
         st.block_table = []
+        st.look_at = -1  # looked at again when resumed
         load = self._loads.pop(req_id, None)
         if load is not None:  # preempted before its load ran
             self._end_lease(load.lease_id)
         self.counters.preemptions += 1
 
-    def _scan(
+    def _track_tables(self, so: Any) -> list[tuple[_Request, int]]:
+        """Keep every scheduled request's block table; returns the requests scheduled afresh (new or
+        resumed: their tables are given whole) with their computed tokens, to be looked at now.
+
+        Runs every step over every scheduled request, so it visits only the few that got blocks:
+        a step adds one block per block_size tokens to each request.
+        """
+        reqs = self._reqs
+        fresh: list[tuple[_Request, int]] = []
+        for n in so.scheduled_new_reqs:  # first scheduled, or resumed under model runner V2
+            st = reqs.get(n.req_id)
+            if st is not None:
+                st.block_table = list(n.block_ids[0]) if n.block_ids is not None else []
+                fresh.append((st, n.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        req_ids, new_ids = cached.req_ids, cached.new_block_ids
+        resumed = cached.resumed_req_ids
+        if resumed:  # model runner V1: a resumed request's block ids are its whole table
+            for i, req_id in enumerate(req_ids):
+                if req_id in resumed and (st := reqs.get(req_id)) is not None:
+                    ids = new_ids[i]
+                    st.block_table = list(ids[0]) if ids is not None else []
+                    fresh.append((st, cached.num_computed_tokens[i]))
+        for i in [i for i, ids in enumerate(new_ids) if ids is not None]:
+            req_id = req_ids[i]
+            if (st := reqs.get(req_id)) is not None and not (resumed and req_id in resumed):
+                st.block_table.extend(new_ids[i][0])
+        return fresh
+
+    def _look_at(self, st: _Request, step: int) -> None:
+        st.look_at = step
+        self._looks.setdefault(step, []).append(st)
+
+    def _look(
         self,
-        so: Any,
-        req_ids: list[str],
-        new_block_ids: list[Any],
-        computed_tokens: list[int],
-        replace: set[str] | None,
+        st: _Request,
+        step: int,
+        computed: int,
+        scheduled: dict[str, int],
+        spec: dict[str, list[int]],
         meta: KVTierMetadata,
     ) -> None:
-        """Track block tables, send planned loads and plan saves for these scheduled requests.
+        """Plan the saves due for a request, and when to look at it next.
 
-        Runs for every scheduled request every step, so the common case (a decode step that
-        completes no chunk) is a few integer operations with no call; req_ids in `replace` get
-        the block table given instead of appending to theirs (`replace` None: nobody does).
+        A request is looked at when it is scheduled afresh and then no sooner than a save can be
+        due: once it has computed every token it knows, a step adds at most step_tokens to it,
+        so a save cannot fall due before its token count has had the steps to reach quiet_until.
         """
-        reqs, loads = self._reqs, self._loads
-        scheduled = so.num_scheduled_tokens
-        spec = so.scheduled_spec_decode_tokens
-        for req_id, ids, computed in zip(req_ids, new_block_ids, computed_tokens, strict=True):
-            st = reqs.get(req_id)
-            if st is None:
-                continue
-            if replace is not None and req_id in replace:
-                st.block_table = list(ids[0]) if ids is not None else []
-            elif ids is not None and ids[0]:
-                st.block_table.extend(ids[0])
-            if loads and req_id in loads:
-                meta.loads.append(loads.pop(req_id))
-            new_valid = scheduled.get(req_id, 0)
-            # Scheduled tokens bound the valid ones (speculative ones are not valid): inside the
-            # quiet window no chunk completes and none moved back, so save_range would plan nothing.
-            if st.quiet_from <= computed and computed + new_valid < st.quiet_until:
-                continue
+        if st.looked == step:
+            return
+        st.looked = step
+        req_id = st.request.request_id
+        new_valid = scheduled.get(req_id)
+        if new_valid is None or computed < 0:  # not scheduled this step: look again at the next
+            self._look_at(st, step + 1)
+            return
+        reached = computed + new_valid  # speculative tokens included: a bound, not the valid ones
+        # Inside the quiet window no chunk completes and none moved back: save_range plans nothing.
+        if not (st.quiet_from <= computed and reached < st.quiet_until):
             if spec and req_id in spec:
                 new_valid -= len(spec[req_id])
             job = self._plan_save(st, computed, new_valid)
             if job is not None:
                 meta.saves.append(job)
+        if st.quiet_until == _NEVER:
+            st.look_at = -1
+        elif reached < st.request.num_tokens:  # still computing tokens it knows (a prompt)
+            self._look_at(st, step + 1)
+        else:
+            self._look_at(st, step + max(1, -(-(st.quiet_until - reached) // self._step_tokens)))
 
     def _set_watermark(self, st: _Request, watermark: int) -> None:
         """Remember the save watermark and the token window in which no save can be due."""
@@ -328,6 +378,7 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        st.look_at = -1
         self._release(st)
         if st.lookup is not None:
             self._end_lease(st.lookup.lease_id)

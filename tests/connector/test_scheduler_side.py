@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -12,7 +14,7 @@ import pytest
 from app.client import LookupReply, ServiceUnavailable
 from app.settings import KVTierSettings
 from connector.config import ConnectorConfig
-from connector.planning import Geometry
+from connector.planning import Geometry, save_range
 from connector.scheduler import SchedulerSide
 from storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
 
@@ -228,6 +230,18 @@ def test_a_failed_lookup_still_ends_the_lease_it_replaced() -> None:
     assert client.released == [client.lookups[0]]
 
 
+def _decode(side: SchedulerSide, req: FakeRequest, req_id: str, start: int, stop: int) -> list[list[bytes]]:
+    """Decode steps of one token from start to stop computed tokens (vLLM's sync shape: a request
+    knows one token more than it computed); the hashes each step saves."""
+    saved = []
+    for computed in range(start, stop):
+        req.num_tokens = computed + 1
+        out = _output(cached=[(req_id, None, computed, False)], scheduled={req_id: 1})
+        meta = side.build_connector_meta(out)
+        saved.append([h for s in meta.saves for h in s.hashes])
+    return saved
+
+
 def test_decode_chunk_saved_when_its_hash_appears_a_step_late() -> None:
     side = SchedulerSide(_cfg(), FakeClient())
     req = FakeRequest("a", 100, 3)  # 100 prompt tokens: blocks 0-2 hashed, chunk 0 full
@@ -236,12 +250,98 @@ def test_decode_chunk_saved_when_its_hash_appears_a_step_late() -> None:
     meta = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
     assert [s.hashes for s in meta.saves] == [[_chunk_hash(req, 0)]]
     # Decode up to token 127 (async scheduling: the hash of block 3 is not known yet).
-    meta = side.build_connector_meta(_output(cached=[("a", None, 127, False)], scheduled={"a": 1}))
-    assert meta.saves == []
+    assert _decode(side, req, "a", 100, 128) == [[]] * 28
     req.block_hashes.append(b"\x00\x03")  # the placeholder was filled one step later
     meta = side.build_connector_meta(_output(cached=[("a", None, 128, False)], scheduled={"a": 1}))
     assert [s.hashes for s in meta.saves] == [[_chunk_hash(req, 1)]]
     assert meta.saves[0].block_ids == [[3, 4]]
+
+
+class CountedRequest(FakeRequest):
+    """A FakeRequest that counts how often the scheduler side reads its id."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.reads = 0
+        super().__init__(*args, **kwargs)
+
+    @property
+    def request_id(self) -> str:
+        self.reads += 1
+        return self._id
+
+    @request_id.setter
+    def request_id(self, value: str) -> None:
+        self._id = value
+
+
+def test_a_decoding_request_is_not_visited_until_a_save_can_fall_due() -> None:
+    side = SchedulerSide(_cfg(), FakeClient())
+    req = CountedRequest("a", 100, 3)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 0)
+    side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    req.reads = 0
+    req.block_hashes.append(b"\x00\x03")
+    assert _decode(side, req, "a", 100, 127) == [[]] * 27  # tokens 101-127: chunk 1 ends at 128
+    assert req.reads == 0
+    assert _decode(side, req, "a", 127, 128) == [[_chunk_hash(req, 1)]]
+    assert req.reads > 0
+
+
+@pytest.mark.parametrize("step_tokens", [1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_saves_match_save_range_applied_at_every_step(step_tokens: int, seed: int) -> None:
+    """Looking at a request only when a save can fall due plans what looking every step would:
+    chunked prefill, decode with speculative drafts (some rejected), hashes a step late."""
+    rng = random.Random(seed)
+    side = SchedulerSide(dataclasses.replace(_cfg(), step_tokens=step_tokens), FakeClient())
+    prompt = rng.randrange(40, 300)
+    req = FakeRequest("a", prompt, prompt // BLOCK)
+    side.get_num_new_matched_tokens(req, 0)
+    table = list(range(100, 140))
+    watermark = computed = blocks = 0
+    for step in range(400):
+        known = req.num_tokens - computed
+        drafts = rng.randrange(step_tokens) if known == 1 else 0
+        scheduled = known + drafts if known == 1 else min(known, rng.choice([known, 64, 100]))
+        need = -(-(computed + scheduled) // BLOCK)
+        ids, blocks = table[blocks:need], need
+        if step == 0:
+            side.update_state_after_alloc(req, _blocks(ids), 0)
+            out = _output(new=[_new("a", ids, 0)], scheduled={"a": scheduled})
+        else:
+            out = _output(cached=[("a", ids or None, computed, False)], scheduled={"a": scheduled},
+                          spec={"a": list(range(drafts))})  # fmt: skip
+        valid = scheduled - drafts
+        expected = save_range(computed, valid, len(req.block_hashes), watermark, side.geo)
+        watermark = expected.hi
+        meta = side.build_connector_meta(out)
+        saved = [h for s in meta.saves for h in s.hashes]
+        assert saved == [_chunk_hash(req, c) for c in expected.chunks], f"step {step}"
+        # vLLM's side of the step: drafts accepted or rejected, a token sampled once every known
+        # token is computed, and the hash of each full block (now, or a step late).
+        computed += valid + rng.randrange(drafts + 1)
+        if computed >= req.num_tokens:
+            req.num_tokens = computed + 1
+        while len(req.block_hashes) < req.num_tokens // BLOCK - rng.randrange(2):
+            req.block_hashes.append(bytes([0, len(req.block_hashes)]))
+    assert watermark >= prompt // CHUNK + 4  # decode chunks were saved all along
+
+
+def test_a_failed_load_moving_computed_back_saves_the_recomputed_chunk() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 150, 4)
+    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(2)}
+    ext, _ = side.get_num_new_matched_tokens(req, 0)
+    assert ext == 128
+    side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), ext)
+    meta = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4, 5], 128)], scheduled={"a": 22}))
+    assert meta.loads and meta.saves == []
+    req.num_tokens = 151
+    # The load of chunk 1 failed: vLLM recomputes from token 64 (kv_load_failure_policy recompute).
+    meta = side.build_connector_meta(_output(cached=[("a", None, 64, False)], scheduled={"a": 87}))
+    assert [h for s in meta.saves for h in s.hashes] == [_chunk_hash(req, 1)]
 
 
 def test_spec_decode_tokens_are_not_counted_as_valid() -> None:
