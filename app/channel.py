@@ -190,7 +190,7 @@ class Channel:
         self.inbuf = bytearray(RECV_BYTES)
         self.inview = memoryview(self.inbuf)
         self.pending_out = bytearray()  # bytes the socket did not take yet
-        self.held = bytearray()  # frames that get no reply, waiting for the next write (see hold)
+        self.held = bytearray()  # frames waiting for the next write (see hold)
         self.writer_armed = False
         self.closed = False
         self.reading = threading.Lock()  # held by the one thread reading replies
@@ -202,8 +202,9 @@ class Channel:
         self.poll = poller.poll
 
     def hold(self, frame: bytes) -> None:
-        """Keep a frame that gets no reply for the next write, so that both go out in one send
-        and reach the service in one read (caller holds the lock; see flush_held)."""
+        """Keep a frame that gets no reply, or a call that can wait, for the next write, so that
+        both go out in one send and reach the service in one read (caller holds the lock; see
+        flush_held)."""
         self.held += frame
 
     def flush_held(self) -> None:

@@ -101,7 +101,8 @@ class SchedulerSide:
         st = self._reqs[request.request_id] = _Request(request)
         hashes = chunk_hashes(request.block_hashes, self.geo)
         if hashes:
-            st.lookup = self._start_lookup(st, hashes)
+            # Held until admission asks for it (or a few more arrive): one send for a burst.
+            st.lookup = self._start_lookup(st, hashes, hold=True)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """External tokens for a waiting request; None means 'ask again next step'."""
@@ -146,13 +147,13 @@ class SchedulerSide:
         st.answer = _Answer(reply, num_computed_tokens, ext)
         return ext, ext > 0 and self._needs_async(reply, num_computed_tokens, ext)
 
-    def _start_lookup(self, st: _Request, hashes: list[bytes]) -> _Lookup:
+    def _start_lookup(self, st: _Request, hashes: list[bytes], hold: bool = False) -> _Lookup:
         assert self.client is not None
         lease_id = f"{self.cfg.engine_id}:{st.request.request_id}:{next(self._lease_seq)}"
         # A new lease id per lookup, so an answer is never confused with a later one; the lookup
         # ends the request's previous lease itself, once the new one holds the chunks.
         replaces, st.lease_id = st.lease_id, lease_id
-        future = self.client.lookup(self.cfg.namespace, hashes, lease_id, replaces=replaces)
+        future = self.client.lookup(self.cfg.namespace, hashes, lease_id, replaces=replaces, hold=hold)
         return _Lookup(future, len(hashes), lease_id, time.monotonic(), replaces)
 
     def _too_old(self, lookup: _Lookup) -> bool:

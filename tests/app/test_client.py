@@ -160,6 +160,86 @@ def test_release_nowait_rides_in_the_next_lookup_that_ends_no_lease(
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
 
 
+def _spy_sends(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """Record the messages of each send the client makes (held frames go first)."""
+    sends: list[list[Any]] = []
+    decoder = p.request_decoder()
+    write = Channel.write
+
+    def spy(channel: Channel, frame: bytes | bytearray) -> bool:
+        sends.append(decoder.feed(bytes(channel.held) + bytes(frame)))
+        return write(channel, frame)
+
+    monkeypatch.setattr(Channel, "write", spy)
+    return sends
+
+
+def _no_sweep_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running sweep's next period is a minute: only callers send what is held."""
+    monkeypatch.setattr(client_module, "SWEEP_PERIOD_S", 60.0)
+    time.sleep(0.05)  # the sweep under way takes the new period at its next run
+
+
+def test_held_lookups_wait_while_a_call_is_in_flight_and_go_out_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns, keys = _stored_and_leased(client, "r0")
+        _no_sweep_for_a_while(monkeypatch)
+        sends = _spy_sends(monkeypatch)
+        assert client._channel is not None
+        with client._channel.reading:  # nobody reads replies meanwhile: r1 stays in flight
+            first = client.lookup(ns, keys, "r1", hold=True)  # nothing in flight: sent at once
+            second = client.lookup(ns, keys[:2], "r2", hold=True)
+            third = client.lookup(ns, keys, "r3", hold=True)
+            assert [[m.lease_id for m in send] for send in sends] == [["r1"]]
+        # Waiting on one sends every held frame, in one send.
+        assert second.result(5).result.num_hit == 2
+        assert [[m.lease_id for m in send] for send in sends] == [["r1"], ["r2", "r3"]]
+        assert first.result(5).result.num_hit == 4 and third.result(5).result.num_hit == 4
+        # A poll sends them too, and so does a call that is not held.
+        del sends[:]
+        with client._channel.reading:
+            client.lookup(ns, keys, "r4", hold=True)
+            polled = client.lookup(ns, keys, "r5", hold=True)
+            polled.done()
+            client.lookup(ns, keys, "r6", hold=True)
+            stats = client.stats()
+            assert [[type(m) for m in send] for send in sends] == [
+                [p.Lookup],
+                [p.Lookup],
+                [p.Lookup, p.Stats],
+            ]
+        assert stats.result(5)["leases_active"] == 7  # r0-r6: every held lookup went out before it
+
+
+def test_held_lookups_go_out_once_they_fill_a_send(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns, keys = _stored_and_leased(client, "r0")
+        _no_sweep_for_a_while(monkeypatch)
+        size = len(p.FrameEncoder().encode(p.Lookup(id=1, namespace=ns, hashes=keys, lease_id="r1")))
+        monkeypatch.setattr(client_module, "HOLD_BYTES", 3 * size)
+        sends = _spy_sends(monkeypatch)
+        assert client._channel is not None
+        with client._channel.reading:
+            made = [client.lookup(ns, keys, f"r{i}", hold=True) for i in range(1, 6)]
+            assert [[m.lease_id for m in send] for send in sends] == [["r1"], ["r2", "r3", "r4", "r5"]]
+        assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 6)
+        assert all(f.result(5).result.num_hit == 4 for f in made)
+
+
+def test_a_held_lookup_nobody_waits_for_goes_out_with_the_sweep(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        ns, keys = _stored_and_leased(client, "r0")
+        assert client._channel is not None
+        with client._channel.reading:
+            client.lookup(ns, keys, "r1", hold=True)
+            held = client.lookup(ns, keys, "r2", hold=True)
+            assert client._channel.held
+            assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 3)
+        assert held.result(5).result.num_hit == 4
+
+
 def test_release_nowait_goes_out_without_a_later_call(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         _stored_and_leased(client, "r1")

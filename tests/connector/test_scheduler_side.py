@@ -55,6 +55,7 @@ class FakeClient:
         timeout: float | None = None,
         *,
         replaces: str = "",
+        hold: bool = False,
     ):
         self.lookups.append(lease_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()
