@@ -310,6 +310,8 @@ class SchedulerSide:
         A request is looked at when it is scheduled afresh and then no sooner than a save can be
         due: once it has computed every token it knows, a step adds at most step_tokens to it,
         so a save cannot fall due before its token count has had the steps to reach quiet_until.
+        Were a step ever to add more, a look would come late, never wrong: save_range plans every
+        chunk from the watermark on, while the request still holds its blocks.
         """
         if st.looked == step:
             return
