@@ -350,11 +350,11 @@ class ServiceClient:
                     and len(channel.held) + len(frame) <= HOLD_BYTES
                     and not channel.pending_out
                 ):
-                    channel.hold(frame)
-                    if not self._sweeping:
-                        self._start_sweep()
-                    return call
-                if channel.write(frame):
+                    channel.hold(frame)  # the sweep sends it if nothing else does first
+                    sent = True
+                else:
+                    sent = channel.write(frame)
+                if sent:
                     if not self._sweeping:
                         self._start_sweep()
                     return call

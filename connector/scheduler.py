@@ -67,9 +67,8 @@ class _Request:
     saved_any: bool = False
     hit_sources: dict[Tier, int] = field(default_factory=dict)
     # The step at which build_connector_meta next looks at it for saves (-1: once vLLM schedules
-    # it afresh), and the step it last did (see _look).
+    # it afresh; see _look).
     look_at: int = -1
-    looked: int = -1
 
 
 class SchedulerSide:
@@ -226,17 +225,17 @@ class SchedulerSide:
         meta = KVTierMetadata()
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
-        looks = self._track_tables(so)
+        scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
+        for st, computed in self._track_tables(so):
+            self._look(st, step, computed, scheduled, spec, meta)
         due = self._looks.pop(step, None)
         if due:
             cached = so.scheduled_cached_reqs
             at = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             for st in due:
-                if st.look_at == step:  # else it was moved since (or ended)
-                    looks.append((st, at.get(st.request.request_id, -1)))
-        scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
-        for st, computed in looks:
-            self._look(st, step, computed, scheduled, spec, meta)
+                # Else it was looked at since (a look always moves look_at past this step) or ended.
+                if st.look_at == step:
+                    self._look(st, step, at.get(st.request.request_id, -1), scheduled, spec, meta)
         if self._loads:
             # Async loads were planned for requests that are not scheduled this step.
             for req_id, job in self._loads.items():
@@ -293,8 +292,9 @@ class SchedulerSide:
         return fresh
 
     def _look_at(self, st: _Request, step: int) -> None:
-        st.look_at = step
-        self._looks.setdefault(step, []).append(st)
+        if st.look_at != step:  # once per step: a request is never looked at twice in one
+            st.look_at = step
+            self._looks.setdefault(step, []).append(st)
 
     def _look(
         self,
@@ -313,9 +313,6 @@ class SchedulerSide:
         Were a step ever to add more, a look would come late, never wrong: save_range plans every
         chunk from the watermark on, while the request still holds its blocks.
         """
-        if st.looked == step:
-            return
-        st.looked = step
         req_id = st.request.request_id
         new_valid = scheduled.get(req_id)
         if new_valid is None or computed < 0:  # not scheduled this step: look again at the next

@@ -175,17 +175,16 @@ def _spy_sends(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
 
 
 def _no_sweep_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The running sweep's next period is a minute: only callers send what is held."""
+    """Clients made after this sweep once a minute: only callers send what is held."""
     monkeypatch.setattr(client_module, "SWEEP_PERIOD_S", 60.0)
-    time.sleep(0.05)  # the sweep under way takes the new period at its next run
 
 
 def test_held_lookups_wait_while_a_call_is_in_flight_and_go_out_together(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _no_sweep_for_a_while(monkeypatch)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns, keys = _stored_and_leased(client, "r0")
-        _no_sweep_for_a_while(monkeypatch)
         sends = _spy_sends(monkeypatch)
         assert client._channel is not None
         with client._channel.reading:  # nobody reads replies meanwhile: r1 stays in flight
@@ -214,9 +213,9 @@ def test_held_lookups_wait_while_a_call_is_in_flight_and_go_out_together(
 
 
 def test_held_lookups_go_out_once_they_fill_a_send(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_sweep_for_a_while(monkeypatch)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns, keys = _stored_and_leased(client, "r0")
-        _no_sweep_for_a_while(monkeypatch)
         size = len(p.FrameEncoder().encode(p.Lookup(id=1, namespace=ns, hashes=keys, lease_id="r1")))
         monkeypatch.setattr(client_module, "HOLD_BYTES", 3 * size)
         sends = _spy_sends(monkeypatch)
