@@ -4,10 +4,11 @@ The KV cache has Llama-3.1-8B's shape in vLLM's FlashAttention layout (32 layers
 ``[2, num_blocks, 16, 8, 128]`` bf16, 64 KiB pages), chunks are 256 tokens (32 MiB), and the
 arena is a tmpfs file mapped and registered as pinned memory, as the worker maps it. The copier
 runs the worker's paths: ``save_batch`` for saves, ``load_layers`` for loads, 16 chunks (a
-4096-token prompt) per batch, with consecutive block ids (a fresh prompt) and scattered ones (a
-fragmented cache). The reference is one ``cudaMemcpyAsync`` per chunk of the same bytes between the
-same pinned arena and a contiguous device buffer, measured in the same run, rounds interleaved,
-best of each. Every copy is checked byte for byte once before it is timed.
+4096-token prompt) per batch, with block ids stepping up (a fresh engine), stepping down (vLLM's
+order once its prefix cache recycles blocks) and scattered (a fragmented cache). The reference is
+one ``cudaMemcpyAsync`` per chunk of the same bytes between the same pinned arena and a contiguous
+device buffer, measured in the same run, rounds interleaved, best of each. Every copy is checked
+byte for byte once before it is timed.
 
 Imports torch and connector.copy only (no vLLM), so it runs where vLLM cannot be installed.
 Without a CUDA device it reports ``{"available": false}``.
@@ -105,9 +106,12 @@ def _run(copier: Any, kv: list[Any], host: Any, chunks: int, rounds: int, num_bl
                     device_buf[at].copy_(host[at], non_blocking=True)
         stream.synchronize()
 
+    top = num_blocks - 1
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
     cases = {
         "consecutive": [list(range(7 + c * bpc, 7 + (c + 1) * bpc)) for c in range(chunks)],
+        # vLLM's order once its prefix cache recycles blocks: each chunk's ids step down
+        "descending": [list(range(top - c * bpc, top - (c + 1) * bpc, -1)) for c in range(chunks)],
         "scattered": [perm[c * bpc : (c + 1) * bpc] for c in range(chunks)],
     }
     out: dict[str, Any] = {
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier bench gpu: {result['reason']}; nothing measured")
     else:
         print(f"{result['device']}: {result['model']}, {result['chunks']} chunks per batch")
-        for name in ("consecutive", "scattered"):
+        for name in ("consecutive", "descending", "scattered"):
             c = result[name]
             print(
                 f"  {name:<12} save {c['save_gbps']:6.2f} GB/s ({c['save_ratio']:.3f}x of {c['d2h_gbps']})"

@@ -15,10 +15,12 @@ transfer.
 
 A small batch is bound by the Python that issues it (each piece costs the issuing thread about
 50 us against a 16 MiB DMA's 310 us), and nothing overlaps the time before its first DMA. Block
-ids that are consecutive, as a fresh prompt's are, go to the kernel as their first id, with no
+ids that step by 1 (a fresh engine's) or by -1 (vLLM's usual order once its prefix cache recycles
+blocks, see ``connector.copy.block_runs``) go to the kernel as their first id and step, with no
 upload; each piece switches streams with ``set_stream`` instead of a stream context. Measured on an
 H200 with a 1-chunk batch, saves went from 0.68-0.70x to 0.78-0.83x of cudaMemcpy and loads from
-0.76-0.77x to 0.88-0.89x.
+0.76-0.77x to 0.88-0.89x. Descending ids, which used to be uploaded, then moved as fast as ascending
+ones (H200, 1 chunk: saves 0.88x, loads 0.94x; uploaded ids 0.82x, 0.87x).
 
 Who owns what: a ``CudaCopier`` owns its two streams, its staging ring and its events; the caller
 (``BlockCopier``) fences with ``synchronize()``. The arena must be registered as pinned memory
@@ -32,6 +34,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from connector.copy import block_runs
 from connector.cuda_kernels import stage_blocks
 
 # Staging bytes per piece, and buffers in the ring (one filling while the other is in the DMA).
@@ -41,9 +44,9 @@ from connector.cuda_kernels import stage_blocks
 # the forward's first layers start while the second half loads.
 PIECE_BYTES = 16 << 20
 RING = 2
-# A chunk's block ids as the kernel takes them: the first id where they are consecutive, else the ids
-# on the device.
-_Ids = int | torch.Tensor
+# A chunk's block ids as the kernel takes them: (first id, step) where they step by 1 or -1, else the
+# ids on the device.
+_Ids = tuple[int, int] | torch.Tensor
 
 
 class CudaLayoutError(ValueError):
@@ -82,26 +85,26 @@ class CudaCopier:
 
     def _warm_up(self) -> None:
         """Compile the kernel now, not inside vLLM's first step (a Triton build takes seconds), for
-        uploaded and for consecutive ids: each piece of block 0 goes to the stage and back, unchanged.
+        uploaded ids and for a run: each piece of block 0 goes to the stage and back, unchanged.
         (The integer arguments are not specialized on, so one row compiles what every chunk runs.)"""
         uploaded = torch.zeros(1, dtype=torch.int64, device=self.device)
         for lo, hi in self._pieces():
             stage = self._stage(0, hi - lo, 1)
-            for ids in (uploaded, 0):
+            for ids in (uploaded, (0, 1)):
                 for out in (True, False):
                     stage_blocks(self._table, ids, 1, stage, lo, hi - lo, self.planes, self.row_bytes, out)
         torch.cuda.synchronize(self.device)
 
     def _device_ids(self, id_lists: Sequence[Sequence[int]]) -> list[_Ids]:
-        """Each chunk's block ids for the kernel: the first id where they are consecutive (a fresh
-        prompt's usually are: no upload), else the ids, all uploaded in one copy on the kernel stream.
+        """Each chunk's block ids for the kernel: (first id, step) where they step by 1 or -1 (a
+        prompt's usually do: no upload), else the ids, all uploaded in one copy on the kernel stream.
         Checked first: the kernel does not bound-check, and a wrong id would write over another
         request's KV."""
         lists = [[int(b) for b in block_ids] for block_ids in id_lists]
         for ids in lists:
             if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
                 raise ValueError(f"block id out of range 0..{self.num_blocks - 1}: {min(ids)}..{max(ids)}")
-        firsts = [_first_of_run(ids) for ids in lists]
+        firsts = [_run_of(ids) for ids in lists]
         scattered = [b for ids, first in zip(lists, firsts, strict=True) if first is None for b in ids]
         if not scattered:
             return firsts  # type: ignore[return-value]  # no None in it
@@ -222,10 +225,13 @@ class CudaCopier:
         return self._ring[k][: layers * rows * self.page_bytes].view(layers, rows, self.page_bytes)
 
 
-def _first_of_run(ids: list[int]) -> int | None:
-    """The first id when ids are consecutive (0 for none), else None."""
-    first = ids[0] if ids else 0
-    return first if ids == list(range(first, first + len(ids))) else None
+def _run_of(ids: list[int]) -> tuple[int, int] | None:
+    """(first id, step) when the ids are one run stepping by 1 or by -1 ((0, 1) for none), else None."""
+    runs = block_runs(ids)
+    if len(runs) > 1:
+        return None
+    rows = runs[0][2] if runs else slice(0, 0)
+    return rows.start, rows.step or 1
 
 
 def _dma(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -12,14 +12,15 @@ import triton.language as tl
 _MAX_BLOCK = 1024  # int64 words per program: 8 KiB, four programs per 32 KiB plane row
 
 
-# The integer arguments change from call to call (a chunk's first block id, its row count, the
-# piece's first layer); Triton would otherwise compile a variant when one of them first equals 1 or
-# is first a multiple of 16, which is a compile of seconds inside one of vLLM's steps.
-@triton.jit(do_not_specialize=["first", "n", "lp0"])
+# The integer arguments change from call to call (a chunk's first block id and step, its row count,
+# the piece's first layer); Triton would otherwise compile a variant when one of them first equals 1
+# or is first a multiple of 16, which is a compile of seconds inside one of vLLM's steps.
+@triton.jit(do_not_specialize=["first", "step", "n", "lp0"])
 def _stage_blocks(
     planes_ptr,  # int64 [layers * P]: address of each layer's plane (row b at address + b * WB)
-    ids_ptr,  # int64 [n]: the chunk's block ids (read only when not CONSECUTIVE)
-    first,  # the first block id when CONSECUTIVE: the chunk's blocks are first, first + 1, ...
+    ids_ptr,  # int64 [n]: the chunk's block ids (read only when not RUN)
+    first,  # the first block id when RUN: the chunk's blocks are first, first + step, ...
+    step,  # 1 or -1 when RUN
     stage_ptr,  # int64 words laid out [layer, row, plane, WB / 8], as the slot holds them
     n,  # rows (blocks) in the chunk
     lp0,  # first layer-plane of the piece
@@ -27,7 +28,7 @@ def _stage_blocks(
     P: tl.constexpr,
     BLOCK: tl.constexpr,
     TO_STAGE: tl.constexpr,
-    CONSECUTIVE: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     row = tl.program_id(0)
     lp = tl.program_id(1)  # layer-plane within the piece
@@ -35,8 +36,8 @@ def _stage_blocks(
     words = WB // 8
     layer = lp // P
     plane = lp % P
-    if CONSECUTIVE:  # noqa: SIM108 (a statement: Triton resolves it at compile time)
-        block = (first + row).to(tl.int64)  # 64-bit: block * WB passes 2**31 in a large cache
+    if RUN:  # noqa: SIM108 (a statement: Triton resolves it at compile time)
+        block = (first + step * row).to(tl.int64)  # 64-bit: block * WB passes 2**31 in a large cache
     else:
         block = tl.load(ids_ptr + row)
     kv = (tl.load(planes_ptr + lp0 + lp) + block * WB).to(tl.pointer_type(tl.int64))
@@ -50,7 +51,7 @@ def _stage_blocks(
 
 def stage_blocks(
     planes: torch.Tensor,
-    ids: torch.Tensor | int,
+    ids: torch.Tensor | tuple[int, int],
     rows: int,
     stage: torch.Tensor,
     first_layer: int,
@@ -61,16 +62,17 @@ def stage_blocks(
 ) -> None:
     """Copy ``rows`` blocks of layers [first_layer, first_layer + layers) to (or from) ``stage``.
 
-    ``ids`` is a device tensor of the block ids, or the first id of ``rows`` consecutive ones (no
-    upload needed). ``stage`` holds ``[layers, rows, num_planes, row_bytes]`` bytes, the slot's own
+    ``ids`` is a device tensor of the block ids, or (first id, step) of ``rows`` ids that step by 1
+    or -1 (no upload needed). ``stage`` holds ``[layers, rows, num_planes, row_bytes]`` bytes, the slot's own
     order; ``planes`` holds every layer-plane's base address. Runs on the current stream.
     """
     words = row_bytes // 8
     block = min(_MAX_BLOCK, triton.next_power_of_2(words))
     grid = (rows, layers * num_planes, triton.cdiv(words, block))
-    consecutive = isinstance(ids, int)
+    run = isinstance(ids, tuple)
+    first, step = ids if isinstance(ids, tuple) else (0, 1)
     _stage_blocks[grid](
-        planes, planes if consecutive else ids, ids if consecutive else 0, stage.view(torch.int64),
+        planes, planes if run else ids, first, step, stage.view(torch.int64),
         rows, first_layer * num_planes, row_bytes,
-        P=num_planes, BLOCK=block, TO_STAGE=to_stage, CONSECUTIVE=consecutive, num_warps=4,
+        P=num_planes, BLOCK=block, TO_STAGE=to_stage, RUN=run, num_warps=4,
     )  # fmt: skip
