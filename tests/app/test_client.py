@@ -227,9 +227,15 @@ def test_held_lookups_go_out_once_they_fill_a_send(tmp_path: Path, monkeypatch: 
         assert all(f.result(5).result.num_hit == 4 for f in made)
 
 
-def test_a_held_lookup_nobody_waits_for_goes_out_with_the_sweep(tmp_path: Path) -> None:
-    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+def test_a_held_lookup_nobody_waits_for_goes_out_with_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Held: the sweep is brought forward to go within SWEEP_PERIOD_S, whatever else is due (no
+    # deadline, no idle sweep for a minute).
+    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url, timeout=60) as client:
         ns, keys = _stored_and_leased(client, "r0")
+        assert wait_until(lambda: client._sweep_due > time.monotonic() + 30)  # past the connect's
         assert client._channel is not None
         with client._channel.reading:
             client.lookup(ns, keys, "r1", hold=True)
@@ -253,7 +259,7 @@ def test_a_release_while_the_sweep_lingers_goes_out_without_waking_the_loop_thre
     monkeypatch.setattr(client_module, "SWEEP_LINGER_S", 60.0)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         _stored_and_leased(client, "r1")  # its calls started the sweep
-        time.sleep(0.2)  # many sweeps later: the sweep found nothing to do, and lingers
+        time.sleep(0.3)  # a sweep later: it found nothing to do, and lingers
         wakes: list[Any] = []
         wake = client._loop.call_soon_threadsafe
         monkeypatch.setattr(client._loop, "call_soon_threadsafe", lambda *a: (wakes.append(a), wake(*a))[1])
@@ -271,6 +277,41 @@ def test_the_sweep_stops_once_the_client_was_idle_for_its_linger(
         assert wait_until(lambda: not client._sweeping)  # no wake-ups go on while nothing happens
         client.release_nowait("r0")  # starts it again
         assert client._sweeping and wait_until(lambda: not client._sweeping)
+
+
+def test_a_client_with_nothing_due_leaves_its_loop_thread_asleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every wake-up of the loop thread lands in the middle of vLLM's forward: while nothing is due,
+    # one per SWEEP_IDLE_PERIOD_S (a sweep every SWEEP_PERIOD_S was 30 of them in one prefill).
+    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 0.1)
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url, timeout=60) as client:
+        assert client.wait_connected(5)
+        sweeps: list[float] = []
+        sweep = client._sweep
+        monkeypatch.setattr(client, "_sweep", lambda: (sweeps.append(time.monotonic()), sweep())[1])
+        assert client.health().result(5).serving  # read by this thread; nothing due for a minute
+        time.sleep(0.5)
+        assert 1 <= len(sweeps) <= 10  # about 5; every SWEEP_PERIOD_S would be about 50
+        assert client._sweeping  # still on: the next call needs no wake-up to start it
+
+
+def test_a_reply_nobody_read_reaches_its_call_before_the_deadline_sweep_fails_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)  # the next sweep: the deadline's
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        assert client.wait_connected(5)
+        channel = client._channel
+        assert channel is not None
+        outcome: list[BaseException | None] = []
+        with channel.reading:  # a caller reads: the loop thread stops watching when the reply comes
+            call = client.health(timeout=0.3)
+            call.add_done_callback(lambda f: outcome.append(f.exception()))
+            assert wait_until(lambda: not channel.watched)
+        # The reply waits in the socket, unread; only the sweep at the call's deadline comes.
+        assert wait_until(lambda: outcome, 5)
+        assert outcome == [None]
 
 
 def test_release_nowait_made_while_connecting_is_sent_once_connected(tmp_path: Path) -> None:
@@ -385,7 +426,8 @@ def _silent_server(path: str, stop: threading.Event) -> None:
         Path(path).unlink(missing_ok=True)
 
 
-def test_every_call_has_a_timeout(tmp_path: Path) -> None:
+def test_every_call_has_a_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)  # deadlines bring the sweep forward
     with silent_service(tmp_path) as path, ServiceClient(f"unix://{path}", timeout=0.2) as client:
         assert client.wait_connected(5)
         patient = client.health(timeout=60)
