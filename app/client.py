@@ -472,12 +472,7 @@ class ServiceClient:
         if channel is not None and not channel.watched and channel.reading.acquire(blocking=False):
             # Replies that came while nobody watched go to their calls before any of those calls
             # can be found late (the sweep may come only at a deadline).
-            try:
-                error = self._read(channel)
-            finally:
-                channel.leave()
-            if error is not None:
-                self._lost(channel, error)
+            self._read_and_leave(channel)
         now = time.monotonic()
         with self._lock:
             expired = self._take_expired(now)
@@ -541,6 +536,11 @@ class ServiceClient:
             with self._lock:  # watched again once nobody reads them, by the reader or the sweep
                 self._sweep_by(time.monotonic() + SWEEP_IDLE_PERIOD_S)
             return
+        self._read_and_leave(channel)
+
+    def _read_and_leave(self, channel: Channel) -> None:
+        """Read and deliver what arrived, let go of reading, and reconnect if the connection is gone
+        (loop thread, holding channel.reading)."""
         try:
             error = self._read(channel)
         finally:
