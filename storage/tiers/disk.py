@@ -188,6 +188,9 @@ class DiskTier:
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats(capacity=self.capacity)
         self._threads = IOThreads(_IO_THREADS, "kvtier-disk")
+        # Writes are write-behind, nobody waits for them: they take only cores nothing else wants,
+        # while reads (a hit's load) keep their priority (app/affinity.py).
+        self._writers = IOThreads(_IO_THREADS, "kvtier-disk-write", idle=True)
         self._temp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._temp_seq = itertools.count()
 
@@ -340,7 +343,7 @@ class DiskTier:
         evict = [self.path_of(k) for k in victims]
         hook = partial(self._wrote, key, size, view.nbytes)
         try:
-            job = self._threads.submit(self._write_file, key, view, evict, hook=hook)
+            job = self._writers.submit(self._write_file, key, view, evict, hook=hook)
         except RuntimeError as exc:  # the tier was closed meanwhile
             self._stats.count_error(error_kind(exc))
             return None
@@ -609,4 +612,6 @@ class DiskTier:
         pending += self._background
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(None, self._threads.close)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._writers.close)
+        await loop.run_in_executor(None, self._threads.close)

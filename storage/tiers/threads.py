@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from app.affinity import run_when_idle
+
 T = TypeVar("T")
 log = logging.getLogger("kvtier.threads")
 SPIN_S = 200e-6  # the longest wait_released yields the core before it sleeps
@@ -104,7 +106,8 @@ def usable_cores() -> int:
 class Lane:
     """One thread running queued calls strictly in order (a worker's companion)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, idle: bool = False) -> None:
+        self._idle = idle
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
@@ -116,6 +119,8 @@ class Lane:
         self._queue.put((fn, args))
 
     def _work(self) -> None:
+        if self._idle:
+            run_when_idle()
         while True:
             item = self._queue.get()
             if item is None:
@@ -326,10 +331,12 @@ class Job(Generic[T]):
 
 
 class IOThreads:
-    """A fixed set of threads (started on first use) running blocking calls for an event loop."""
+    """A fixed set of threads (started on first use) running blocking calls for an event loop; with
+    idle, they (and their companions) run only on CPU time nothing else wants: for work that can wait."""
 
-    def __init__(self, threads: int, name: str, cores: int | None = None) -> None:
+    def __init__(self, threads: int, name: str, cores: int | None = None, *, idle: bool = False) -> None:
         self._size = threads
+        self._idle = idle
         self.cores = cores or usable_cores()  # the cores its jobs share (companions included)
         self._name = name
         self._queue: queue.SimpleQueue[Job[Any] | None] = queue.SimpleQueue()
@@ -355,7 +362,7 @@ class IOThreads:
 
     def _start(self) -> None:
         for i in range(self._size):
-            lane = Lane(f"{self._name}-{i}-companion")
+            lane = Lane(f"{self._name}-{i}-companion", self._idle)
             self._lanes.append(lane)
             # Daemon threads, so a tier that was never closed cannot hang interpreter exit.
             thread = threading.Thread(target=self._work, args=(lane,), name=f"{self._name}-{i}", daemon=True)
@@ -363,6 +370,8 @@ class IOThreads:
             self._threads.append(thread)
 
     def _work(self, lane: Lane) -> None:
+        if self._idle:
+            run_when_idle()
         _worker.lane, _worker.pool = lane, self
         while True:
             job = self._queue.get()

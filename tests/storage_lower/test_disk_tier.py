@@ -427,6 +427,33 @@ def decoded(tier: DiskTier, i: int) -> bytes:
     return bytes(codec.decode(Path(tier.path_of(key(i))).read_bytes(), key(i)))
 
 
+class PolicyIO(DiskIO):
+    """Records the scheduling policy of the thread that writes and of the one that reads."""
+
+    def __init__(self) -> None:
+        self.writes: set[int] = set()
+        self.reads: set[int] = set()
+
+    def writev(self, fd: int, buffers: Sequence[memoryview]) -> int:
+        self.writes.add(os.sched_getscheduler(0))
+        return super().writev(fd, buffers)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        self.reads.add(os.sched_getscheduler(0))
+        return super().preadv(fd, buffers, offset)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling policy here")
+async def test_writes_take_only_idle_cpu_time_and_reads_keep_their_priority(tmp_path: Path) -> None:
+    # Nobody waits for a write (write-behind), while a hit's load is on its request's path.
+    io = PolicyIO()
+    tier = await started(tmp_path, io=io)
+    assert await tier.put(key(1), payload(1))
+    assert await read(tier, 1) == bytes(payload(1))
+    assert (io.writes, io.reads) == ({os.SCHED_IDLE}, {os.SCHED_OTHER})
+    await tier.close()
+
+
 @pytest.mark.usefixtures("small_segments")
 async def test_only_chunks_from_the_threshold_up_are_shared_with_the_companion(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -440,7 +467,7 @@ async def test_only_chunks_from_the_threshold_up_are_shared_with_the_companion(
 
     monkeypatch.setattr(Lane, "put", put)
     tier = await segmented(tmp_path)
-    tier._threads.cores = 8  # a core is always spare, so only the chunk's size decides
+    tier._threads.cores = tier._writers.cores = 8  # a core is always spare: only the chunk's size decides
     small, big = 2 * SEG - 1, ODD
     assert await tier.put(key(1), payload(1, small))
     assert await read(tier, 1, small) == bytes(payload(1, small))

@@ -4,6 +4,7 @@ the call has ended (the thread may still be using the caller's buffer)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -238,3 +239,22 @@ def test_handoff_without_companion_runs_in_the_caller() -> None:
     handoff = Handoff(lambda a, b: a * b, 6, 7).offer(None)
     assert handoff.result() == 42
     handoff.settle()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling policy here")
+async def test_idle_threads_and_their_companions_run_only_on_cpu_time_nothing_else_wants() -> None:
+    def policies() -> tuple[int, int]:
+        lane = companion(COMPANION_MIN_BYTES)
+        assert lane is not None
+        on_lane: list[int] = []
+        done = threading.Event()
+        lane.put(lambda: (on_lane.append(os.sched_getscheduler(0)), done.set()))
+        assert done.wait(10)
+        return os.sched_getscheduler(0), on_lane[0]
+
+    idle, normal = IOThreads(1, "test-idle", cores=2, idle=True), IOThreads(1, "test-normal", cores=2)
+    assert await idle.run(policies) == (os.SCHED_IDLE, os.SCHED_IDLE)
+    assert await normal.run(policies) == (os.SCHED_OTHER, os.SCHED_OTHER)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is untouched
+    for pool in (idle, normal):
+        await asyncio.get_running_loop().run_in_executor(None, pool.close)
