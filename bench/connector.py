@@ -273,6 +273,29 @@ def _wait_drained(client: Any) -> None:
         time.sleep(0.05)
 
 
+def _wait_released(client: Any) -> None:
+    """Wait until no lease is held: the engine ends a finished request's lease with its client's
+    next call or sweep, and a clear() before that keeps the leased chunks in their tier."""
+    deadline = time.monotonic() + 60
+    while client.stats().result(10)["leases_active"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine's leases did not end within 60 s")
+        time.sleep(0.02)
+
+
+def _hit_tokens(client: Any) -> dict[str, int]:
+    return dict(client.stats().result(10)["hit_tokens"])
+
+
+def _check_hits(client: Any, before: dict[str, int], tier: str, tokens: int) -> None:
+    """Fail unless the hits since before were exactly tokens, all from tier: a figure measured on
+    hits from another tier would be reported under the wrong name."""
+    after = _hit_tokens(client)
+    got = {t: n - before.get(t, 0) for t, n in after.items() if n != before.get(t, 0)}
+    if got != {tier: tokens}:
+        raise RuntimeError(f"expected {tokens} hit tokens from the {tier} tier, got {got}")
+
+
 def _full_chunks(prompts: list[list[int]]) -> int:
     """Chunks a miss of each of these prompts saves (whole chunks only)."""
     return sum(len(p) // TTFT_CHUNK for p in prompts)
@@ -559,11 +582,17 @@ def bench_ttft(
                 )
                 out["ttft_cpu_hit_ms"], out["ttft_one_token_ms"] = hit_s, one_s
                 out["ttft_one_token_warm_ms"] = one_warm_s
+                _wait_released(client)
                 client.clear([Tier.CPU]).result(30)
+                before = _hit_tokens(client)
                 out["ttft_disk_hit_ms"] = ttft(llm, prompts)
+                _check_hits(client, before, "disk", loaded * repeat)
                 if redis_url:
+                    _wait_released(client)
                     client.clear([Tier.CPU, Tier.DISK]).result(30)
+                    before = _hit_tokens(client)
                     out["ttft_redis_hit_ms"] = ttft(llm, prompts)
+                    _check_hits(client, before, "redis", loaded * repeat)
                 # With Redis too, each miss's 24 MiB are also written to a redis-server on these
                 # same 2 cores while the next prompt computes.
                 out["ttft_miss_fresh_all_tiers_ms"] = ttft(llm, fresh_all)
