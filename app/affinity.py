@@ -23,9 +23,9 @@ went to disk took 1.21-1.34x as long as one that came to a quiet service (median
 engine); with the writers at nice +19 1.06-1.18x, at idle priority 1.03-1.09x, and 16 misses in a row
 took 146-168 ms each instead of 198-207. Writes that never find an idle core fill the write-behind
 queue, which then drops (and counts) what does not fit. The price: a miss that comes once the last
-one's writes have ended computed 1.02-1.03x as long as the same engine with kvtier bypassed (5 runs),
-against 0.99-1.01x with the writers at normal priority; with the page cache flushed before each miss
-(``os.sync()``) the two did not differ, so the kernel's deferred writeback of the files is involved.
+one's writes have ended computed 1.01-1.03x as long as the same engine with kvtier bypassed (9 runs),
+against 0.99-1.01x with the writers at normal priority (4 runs); neither a 0.1 s pause nor
+``os.sync()`` before each miss took that away, and its cause is not known.
 """
 
 from __future__ import annotations
