@@ -282,18 +282,19 @@ def test_the_sweep_stops_once_the_client_was_idle_for_its_linger(
 def test_a_client_with_nothing_due_leaves_its_loop_thread_asleep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Every wake-up of the loop thread lands in the middle of vLLM's forward: while nothing is due,
-    # one per SWEEP_IDLE_PERIOD_S (a sweep every SWEEP_PERIOD_S was 30 of them in one prefill).
-    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 0.1)
+    # Every wake-up of the loop thread lands in the middle of vLLM's forward: a sweep that finds
+    # nothing due comes back after SWEEP_IDLE_PERIOD_S, not SWEEP_PERIOD_S (30 wake-ups in a prefill).
+    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url, timeout=60) as client:
         assert client.wait_connected(5)
-        sweeps: list[float] = []
+        assert client.health().result(5).serving  # read by this thread: nothing due for a minute
+        swept = threading.Event()
         sweep = client._sweep
-        monkeypatch.setattr(client, "_sweep", lambda: (sweeps.append(time.monotonic()), sweep())[1])
-        assert client.health().result(5).serving  # read by this thread; nothing due for a minute
-        time.sleep(0.5)
-        assert 1 <= len(sweeps) <= 10  # about 5; every SWEEP_PERIOD_S would be about 50
+        monkeypatch.setattr(client, "_sweep", lambda: (sweep(), swept.set())[0])
+        client._loop.call_soon_threadsafe(client._sweep)
+        assert swept.wait(5)
         assert client._sweeping  # still on: the next call needs no wake-up to start it
+        assert client._sweep_due > time.monotonic() + 30  # the next one is an idle period away
 
 
 def test_a_reply_nobody_read_reaches_its_call_before_the_deadline_sweep_fails_it(

@@ -129,12 +129,19 @@ def _chunk_hash(req: FakeRequest, chunk: int) -> bytes:
     return req.block_hashes[(chunk + 1) * 2 - 1]
 
 
-def test_cpu_hit_becomes_a_sync_load_of_exact_blocks() -> None:
+def _cpu_hit(num_prompt: int, hashed: int, stored: int) -> tuple[SchedulerSide, FakeRequest, int, bool]:
+    """A new request whose first `stored` chunks are in the CPU tier, after its first lookup: the
+    scheduler side, the request, and the lookup's (external tokens, is_async)."""
     client = FakeClient()
     side = SchedulerSide(_cfg(), client)
-    req = FakeRequest("a", 300, 9)  # 4 full chunks hashed
-    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(3)}
+    req = FakeRequest("a", num_prompt, hashed)
+    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(stored)}
     ext, is_async = side.get_num_new_matched_tokens(req, 0)
+    return side, req, ext, is_async
+
+
+def test_cpu_hit_becomes_a_sync_load_of_exact_blocks() -> None:
+    side, req, ext, is_async = _cpu_hit(300, 9, 3)  # 4 full chunks hashed, 3 stored
     assert (ext, is_async) == (192, False)
     table = list(range(10, 20))
     side.update_state_after_alloc(req, _blocks(table), ext)
@@ -168,11 +175,7 @@ def test_lower_tier_hit_loads_async_even_when_not_scheduled() -> None:
 
 
 def test_external_tokens_never_cover_the_whole_prompt() -> None:
-    client = FakeClient()
-    side = SchedulerSide(_cfg(), client)
-    req = FakeRequest("a", 256, 8)
-    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(4)}
-    ext, _ = side.get_num_new_matched_tokens(req, 0)
+    _, _, ext, _ = _cpu_hit(256, 8, 4)
     assert ext == 224  # the last block is computed so a token can be sampled
 
 
@@ -330,11 +333,7 @@ def test_saves_match_save_range_applied_at_every_step(step_tokens: int, seed: in
 
 
 def test_a_failed_load_moving_computed_back_saves_the_recomputed_chunk() -> None:
-    client = FakeClient()
-    side = SchedulerSide(_cfg(), client)
-    req = FakeRequest("a", 150, 4)
-    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(2)}
-    ext, _ = side.get_num_new_matched_tokens(req, 0)
+    side, req, ext, _ = _cpu_hit(150, 4, 2)
     assert ext == 128
     side.update_state_after_alloc(req, _blocks([1, 2, 3, 4, 5]), ext)
     meta = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3, 4, 5], 128)], scheduled={"a": 22}))
