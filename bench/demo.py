@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.arena_dir import arena_dir
+from bench.engine_proc import STEADY_MALLOC_ENV
 from bench.models import BENCH, WORDS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,7 @@ def vllm_server(model: str, workdir: Path, kv_config: dict[str, Any] | None, nam
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.update(STEADY_MALLOC_ENV)  # or one engine's luck with its heap shows up as kvtier's doing
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", CPU_RESERVED)
     # vLLM leaves its ZeroMQ socket files behind when it exits (in /tmp by default): in the demo's
