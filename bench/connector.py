@@ -22,6 +22,8 @@
     prompts of this length take up to 2x as long, and erratically, until each KV block was used once.
     Every engine keeps its weights and KV cache on transparent huge pages (THP_MEM_ALLOC_ENABLE, set
     by run() for this process and the engines it starts): with 4 KiB pages engines differed more.
+    The miss pairs' engines also keep their freed heap (STEADY_MALLOC_ENV, bench/engine_proc.py):
+    with glibc trimming it, two identical engines differed by up to 1.11x.
     The engine with kvtier also runs fresh prompts with kvtier bypassed (its scheduler side answers
     "nothing to load or save"; the connector stays configured): ``ttft_bypassed_ratio`` is vLLM's
     cost of having a connector configured at all, and ``ttft_miss_same_engine_ratio`` (median over
@@ -387,9 +389,11 @@ def warm_up_prompts(engine: dict[str, Any], prompt_tokens: int) -> int:
 
 
 # The miss figure: pairs of engines in processes of their own, one with kvtier and one without, up
-# side by side and sampled in turn (see bench/engine_proc.py). Even warmed up, one pair's ratio still
-# moves by +-8% from one pair to the next (each engine start has its own speed on this VM), so it
-# pools 8 pairs. kvtier's engine used to start second in every pair; in one run of 8 pairs with the
+# side by side and sampled in turn (see bench/engine_proc.py). Warmed up, one pair's ratio still moved
+# by +-8% from one pair to the next (each engine start had its own speed on this VM), so it pools 8
+# pairs. Most of that was glibc trimming some engines' heaps on every prompt and not others'; with
+# the heap kept (STEADY_MALLOC_ENV) the pairs of two runs spread 0.988-1.032 and 0.991-1.07, against
+# 0.90-1.18 before. kvtier's engine used to start second in every pair; in one run of 8 pairs with the
 # order alternating, the forward of kvtier's engine ran 0.99-1.02x of the other's when it started
 # second and 0.96-0.99x when it started first, and in the next run the kvtier-first half was the
 # slower one (1.09 against 1.01). Whatever the order does, alternating it (half the pairs each way,
