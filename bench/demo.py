@@ -57,10 +57,10 @@ def _text(rng: random.Random, words: int) -> str:
 
 def warm_up(server: Server) -> None:
     """One prompt as long as the first round's, on a topic of its own, so round 1 times a warm
-    engine. An engine's first long prompt is slower by itself, by up to 90 ms here, and more so in
-    the engine with kvtier: much of it is the forward's first touch of memory pages that this VM's
-    host has not backed yet (touching 2 GiB in another process first took two thirds of it away),
-    and kvtier's processes, which map their arena at start, leave the engine fewer warm pages."""
+    engine. An engine's first long prompt is slower by itself: by up to 20 ms here without kvtier
+    and 60-90 ms with it, all of it in the forward, where no kvtier code runs. Part of it is memory
+    this VM's host had not backed yet (touching 2 GiB in another process first took about two thirds
+    of it away; kvtier's processes map their arena at start); the rest was not found."""
     rng = random.Random(1)
     server.chat("demo", [{"role": "user", "content": "Warm-up: " + _text(rng, 1000)}], 4)
 
