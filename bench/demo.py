@@ -56,8 +56,8 @@ def _text(rng: random.Random, words: int) -> str:
 
 def warm_up(server: Server) -> None:
     """One prompt longer than the first round's, on a topic of its own, so round 1 times a warm
-    engine. An engine's first long prompt is slower by itself: by up to 20 ms here without kvtier and
-    60-90 ms with it, all of it in the forward, where no kvtier code runs. Part of it is memory this
+    engine. An engine's first long prompt is slower by itself: here by 0-40 ms without kvtier and by
+    50-90 ms with it (there all of it in the forward, where no kvtier code runs). Part of it is memory this
     VM's host had not backed yet (touching 2 GiB in another process first took about two thirds of it
     away; kvtier's processes map their arena at start); the rest was not found. After a warm-up as
     long as round 1's prompt, round 1 came out at 0.83-1.17x (4 runs); after this one, 0.92-1.05x (3)."""
