@@ -163,9 +163,8 @@ class ServiceClient:
         # Lease ids release_nowait() has not sent yet (see _call); a deque: any thread appends or
         # takes one without the lock.
         self._releases: deque[str] = deque()
-        # The sweep: whether it runs, and by when (time.monotonic()) its next run is due; any thread
-        # reads both to decide whether it must wake the loop thread (see _sweep_by).
-        self._sweeping = False
+        # By when (time.monotonic()) the sweep's next run is due, inf while it is off; any thread
+        # reads it to decide whether it must wake the loop thread (see _sweep_by).
         self._sweep_due = math.inf
         self._sweep_timer: asyncio.TimerHandle | None = None  # loop thread
         self._timer_due = math.inf  # when _sweep_timer fires (loop thread)
@@ -424,12 +423,16 @@ class ServiceClient:
         self._sweep_by(time.monotonic() + SWEEP_PERIOD_S)
         return None
 
+    @property
+    def _sweeping(self) -> bool:
+        """Whether the sweep is on (it runs again by _sweep_due)."""
+        return self._sweep_due < math.inf
+
     def _sweep_by(self, due: float) -> None:
         """Have the sweep run by due (time.monotonic()), waking the loop thread only when it would
         not (callers hold the lock, or run on the loop thread)."""
-        if self._sweeping and self._sweep_due <= due:
+        if self._sweep_due <= due:  # on, and due by then already
             return
-        self._sweeping = True
         self._sweep_due = due
         if threading.get_ident() == self._loop_thread:
             self._arm_sweep(due)
@@ -490,18 +493,16 @@ class ServiceClient:
                 and not self._releases
                 and (channel is None or channel.watched)
             )
+            stop = False
             if not idle:
                 self._idle_since = None
             elif self._idle_since is None:
                 self._idle_since = now
             elif now - self._idle_since >= SWEEP_LINGER_S:
-                self._sweeping, self._idle_since = False, None
-            if self._sweeping:
-                # Set under the lock: a caller that needs a sooner sweep sees it and wakes this thread.
-                self._sweep_due = self._next_sweep(now)
-            else:
-                self._sweep_due = math.inf
-            due = self._sweep_due
+                stop, self._idle_since = True, None
+            due = math.inf if stop else self._next_sweep(now)  # inf: off until a call needs it
+            # Set under the lock: a caller that needs a sooner sweep sees it and wakes this thread.
+            self._sweep_due = due
         for call in expired:
             fail(call, CallTimeout(f"no answer from {self.url} in time"))
         for call in queued:
