@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from connector.copy import block_runs
+from connector.copy import block_runs, check_block_ids
 from connector.cuda_kernels import stage_blocks
 
 # Staging bytes per piece, and buffers in the ring (one filling while the other is in the DMA).
@@ -100,10 +100,7 @@ class CudaCopier:
         prompt's usually do: no upload), else the ids, all uploaded in one copy on the kernel stream.
         Checked first: the kernel does not bound-check, and a wrong id would write over another
         request's KV."""
-        lists = [[int(b) for b in block_ids] for block_ids in id_lists]
-        for ids in lists:
-            if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-                raise ValueError(f"block id out of range 0..{self.num_blocks - 1}: {min(ids)}..{max(ids)}")
+        lists = [check_block_ids(block_ids, self.num_blocks) for block_ids in id_lists]
         firsts = [_run_of(ids) for ids in lists]
         scattered = [b for ids, first in zip(lists, firsts, strict=True) if first is None for b in ids]
         if not scattered:

@@ -17,6 +17,7 @@ from connector.copy import (
     LayoutError,
     block_planes,
     block_runs,
+    chunk_rows,
     loads_overlap,
     pin_host_buffer,
     unpin_host_buffer,
@@ -342,13 +343,65 @@ def test_a_failed_layer_copy_stops_both_ends_and_is_reported() -> None:
     assert loads.ended is not None
 
 
-def test_block_ids_past_the_cache_are_refused_before_any_copy() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    copier = BlockCopier([_kv_split(1).to("cuda")], NUM_BLOCKS, blocks_per_chunk=2)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "ids", [[3, NUM_BLOCKS], [0, 5, 2, NUM_BLOCKS], [7, -1]], ids=["run", "scattered", "negative"]
+)
+def test_block_ids_outside_the_cache_are_refused_before_any_copy(ids, device, slot_bytes) -> None:
+    kv = _kv_cpu(1).to(device)
+    before = kv.clone()
+    copier = BlockCopier([kv], NUM_BLOCKS, blocks_per_chunk=len(ids))
+    buf = slot_bytes(copier.chunk_bytes)
+    buf[:] = b"\x07" * len(buf)
+    with pytest.raises(ValueError, match=f"out of range 0..{NUM_BLOCKS - 1}"):
+        copier.save(copier.slot_view(buf), ids)
     with pytest.raises(ValueError, match="out of range"):
-        copier.save(copier.slot_view(bytearray(copier.chunk_bytes)), [3, NUM_BLOCKS])
+        copier.load(copier.slot_view(buf), 0, ids)
+    with pytest.raises(ValueError, match="out of range"):
+        copier.load_layers([(copier.slot_view(buf), 0, ids)])
+    copier.wait()
     copier.close()
+    assert buf == b"\x07" * len(buf)
+    assert torch.equal(kv, before)
+
+
+def test_chunk_rows_gather_blocks_scattered_over_three_runs_or_more_in_one_plane() -> None:
+    assert chunk_rows([4, 5, 6, 7], one_plane=True).index is None  # one run: its slice
+    assert chunk_rows([4, 5, 9, 8], one_plane=True).index is None  # two runs: their slices
+    scattered = chunk_rows([5, 2, 9, 7], one_plane=True)
+    assert scattered.index is not None and scattered.index.tolist() == [5, 2, 9, 7]
+    assert len(scattered.runs) == 4
+    # A page split in planes keeps its slices: a gather into one plane's columns is strided.
+    assert chunk_rows([5, 2, 9, 7], one_plane=False).index is None
+
+
+@pytest.mark.parametrize("helper_cpus", [None, TWO_CPUS], ids=["one-thread", "copy-thread"])
+@pytest.mark.parametrize(
+    "ids",
+    [[5, 2, 9, 7, 0, 11], [1, 2, 3, 4, 5, 6], [9, 8, 7, 2, 1, 0]],
+    ids=["gathered", "one-run", "two-runs"],
+)
+def test_gathered_and_sliced_chunks_hold_the_same_bytes(ids, helper_cpus) -> None:
+    kv = [_kv_cpu(2), _kv_cpu(3)]
+    copier = BlockCopier(kv, NUM_BLOCKS, blocks_per_chunk=len(ids), helper_cpus=helper_cpus)
+    buf = bytearray(copier.chunk_bytes)
+    copier.save(copier.slot_view(buf), ids)
+    copier.wait()
+    expected = b"".join(layer[b].view(torch.uint8).numpy().tobytes() for layer in kv for b in ids)
+    assert buf == expected
+    dst = [torch.zeros_like(layer) for layer in kv]
+    loader = BlockCopier(dst, NUM_BLOCKS, blocks_per_chunk=len(ids), helper_cpus=helper_cpus)
+    targets = [11, 0, 6, 3, 4, 10]  # scattered: the load gathers from the slot into these blocks
+    loader.load_layers([(loader.slot_view(buf), 0, targets)]).finish()
+    loader.load(loader.slot_view(buf), 0, targets)
+    loader.wait()
+    copier.close()
+    loader.close()
+    for src_layer, dst_layer in zip(kv, dst, strict=True):
+        for s_id, d_id in zip(ids, targets, strict=True):
+            assert torch.equal(src_layer[s_id], dst_layer[d_id])
+        for untouched in set(range(NUM_BLOCKS)) - set(targets):
+            assert not dst_layer[untouched].any()
 
 
 def test_bad_layouts_are_refused() -> None:

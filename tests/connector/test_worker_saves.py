@@ -29,9 +29,9 @@ def gated(arena_worker, monkeypatch):
     gate = threading.Event()
     real = copier._save_cpu
 
-    def held_back(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
+    def held_back(lo: int, hi: int, slot: Any, rows: Any, first: int) -> None:
         assert gate.wait(10), "the test never opened the gate"
-        real(lo, hi, slot, runs, first)
+        real(lo, hi, slot, rows, first)
 
     monkeypatch.setattr(copier, "_save_cpu", held_back)
     yield worker, client, gate
@@ -57,10 +57,10 @@ def test_a_failed_copy_commits_nothing_of_that_save_and_gives_its_slots_back(
     assert copier is not None and copier.defers_saves  # the whole step's saves go to the save thread
     real = copier._save_cpu
 
-    def broken(lo: int, hi: int, slot: Any, runs: Any, first: int) -> None:
-        if runs[0][2].start == 4:  # the second chunk's copy fails (its blocks start at 4)
+    def broken(lo: int, hi: int, slot: Any, rows: Any, first: int) -> None:
+        if rows.runs[0][2].start == 4:  # the second chunk's copy fails (its blocks start at 4)
             raise MemoryError("simulated")
-        real(lo, hi, slot, runs, first)
+        real(lo, hi, slot, rows, first)
 
     monkeypatch.setattr(copier, "_save_cpu", broken)
     _step(worker, [SaveJob("r1", [b"a", b"b"], [[0, 1], [4, 5]])])
