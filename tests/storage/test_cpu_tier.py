@@ -70,6 +70,20 @@ def test_remove_of_pinned_chunk_keeps_slot_until_unpinned() -> None:
     assert tier.reserve(CHUNK) == SlotRef(0, CHUNK)
 
 
+def test_a_removed_chunk_pinned_twice_frees_its_slot_with_the_second_unpin_only() -> None:
+    tier = make(1)
+    slot = put(tier, 0)
+    entries = [tier.entry(key(0))] * 2
+    tier.pin_entries(entries)
+    assert tier.remove(key(0))
+    tier.unpin_entries(entries[:1])
+    assert tier.reserve(CHUNK) is None  # one pin left
+    tier.unpin_entries(entries[1:])
+    assert tier.reserve(CHUNK) == slot
+    with pytest.raises(SlotStateError):
+        tier.unpin_entries(entries[:1])
+
+
 def test_duplicate_commit_keeps_the_first_and_frees_the_second() -> None:
     tier = make(2)
     first = put(tier, 0)
