@@ -69,7 +69,7 @@ import numpy as np
 
 from bench.arena_dir import arena_dir
 from bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
-from bench.engine_proc import EngineProcess, Sample, kvtier_bypassed
+from bench.engine_proc import EngineProcess, Sample, environment, kvtier_bypassed
 from bench.phases import SCHEDULER_HOOKS, PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -684,17 +684,9 @@ def bench_hit_over_prefix_hit(
     }
 
 
-@contextlib.contextmanager
-def _env_default(name: str, value: str) -> Iterator[None]:
+def _env_default(name: str, value: str) -> contextlib.AbstractContextManager[None]:
     """name=value in os.environ while inside, unless name is set already."""
-    if name in os.environ:
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
+    return environment({} if name in os.environ else {name: value})
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -38,10 +38,11 @@ STEADY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRES
 
 
 @contextlib.contextmanager
-def steady_malloc() -> Iterator[None]:
-    """Processes started inside (and theirs) keep their freed heap (see STEADY_MALLOC_ENV)."""
-    saved = {name: os.environ.get(name) for name in STEADY_MALLOC_ENV}
-    os.environ.update(STEADY_MALLOC_ENV)
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """These variables set in os.environ while inside (processes started there inherit them); each
+    is put back as it was, or removed, on the way out."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -50,6 +51,11 @@ def steady_malloc() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def steady_malloc() -> contextlib.AbstractContextManager[None]:
+    """Processes started inside (and theirs) keep their freed heap (see STEADY_MALLOC_ENV)."""
+    return environment(STEADY_MALLOC_ENV)
 
 
 @dataclass(frozen=True)

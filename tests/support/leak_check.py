@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.engine_proc import environment
+
 MARK_ENV = "KVT_LEAK_SESSION"  # not KVTIER_*: unknown KVTIER_ variables are configuration errors
 LEAK_GRACE_S = 10.0  # a shutdown may drain disk/Redis writes (5 s) after a 2 s call grace
 _SERVICE_MARKERS = ("app.server", "app/server.py")
@@ -217,22 +219,13 @@ def kvtier_leak_session() -> Iterator[str]:
     """This session's marker (inherited by every process the tests start), private runtime dir and
     vLLM IPC socket dir."""
     mark = uuid.uuid4().hex
-    saved = {k: os.environ.get(k) for k in (MARK_ENV, "XDG_RUNTIME_DIR", "VLLM_RPC_BASE_PATH")}
     with tempfile.TemporaryDirectory(prefix="kvt-rt-") as runtime:
         os.chmod(runtime, 0o700)
         vllm_ipc = Path(runtime) / "vllm"
         vllm_ipc.mkdir()
-        os.environ[MARK_ENV] = mark
-        os.environ["XDG_RUNTIME_DIR"] = runtime
-        os.environ["VLLM_RPC_BASE_PATH"] = str(vllm_ipc)
-        try:
+        env = {MARK_ENV: mark, "XDG_RUNTIME_DIR": runtime, "VLLM_RPC_BASE_PATH": str(vllm_ipc)}
+        with environment(env):
             yield mark
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 @pytest.fixture
