@@ -46,7 +46,11 @@
     is what loading the KV costs over a hit that copies nothing, and
     ``cpu_hit_load_over_memcpy_ratio`` that cost over a cold memcpy of the bytes loaded.
     The CPU hit, the floor's memcpy and one-token prompt, and the one-token prompt after a hit are
-    sampled in turn (3 rounds over 5 prompts).
+    sampled in turn (3 rounds over 5 prompts). ``ttft_ms_by_phase`` splits a CPU hit and the floor's
+    one-token prompt too (``cpu_hit``, ``one_token``; ``cpu_hit_kvtier_by_hook`` for each hook),
+    from samples of their own taken after the figure's, as timing every hook costs a little: what a
+    hit adds to the forward and to vLLM's own work is the context the floor leaves out, and on the
+    CPU ``start_load_kv`` holds the load's copy.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ import numpy as np
 
 from bench.arena_dir import arena_dir
 from bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
-from bench.engine_proc import EngineProcess, Sample, environment, kvtier_bypassed
+from bench.engine_proc import EngineProcess, Sample, engine_clock, environment, kvtier_bypassed, time_prompt
 from bench.phases import SCHEDULER_HOOKS, PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,12 +170,6 @@ class ColdCopy:
         start = time.perf_counter()
         np.copyto(self._dst[i], self._src[(i + self._pieces // 2) % self._pieces])
         return time.perf_counter() - start
-
-
-def _cold_copy_sampler(nbytes: int) -> Callable[[int], float]:
-    """A sampler for in_turns: seconds of one ColdCopy of nbytes (the pools live as long as it)."""
-    copy = ColdCopy(nbytes)
-    return lambda _: copy.once()
 
 
 # -------------------------------------------------------------------------------------- services
@@ -408,6 +406,25 @@ def _kvtier_first(pair: int) -> bool:
     return pair % 2 == 1
 
 
+def phase_ms(samples: Sequence[Sample]) -> dict[str, float]:
+    """Where the samples' time went, medians in ms: the model's forward, kvtier's hooks, and
+    vLLM's work besides both."""
+    return {
+        "forward": round(1000 * statistics.median(s.forward for s in samples), 2),
+        "kvtier": round(1000 * statistics.median(s.kvtier for s in samples), 3),
+        "other": round(1000 * statistics.median(s.ttft - s.forward - s.kvtier for s in samples), 2),
+    }
+
+
+def hook_ms(samples: Sequence[Sample]) -> dict[str, float]:
+    """Where kvtier's time in the samples went: each connector hook's median, in ms (0 for a
+    sample that did not call it)."""
+    names = sorted({name for s in samples for name in s.by_hook})
+    return {
+        name: round(1000 * statistics.median(s.by_hook.get(name, 0.0) for s in samples), 3) for name in names
+    }
+
+
 def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
     """TTFT of fresh prompts without kvtier, with kvtier (a miss: looked up, computed, saved) and
     with kvtier bypassed, on engines side by side; every sample starts once the previous one's
@@ -478,23 +495,8 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         for ms, bs in zip(taken["miss"], taken["bypassed"], strict=True)
         for m, b in zip(ms, bs, strict=True)
     ]
-    # Each sample's time split: the model's forward, kvtier's hooks, and vLLM's work besides both.
-    phase_ms = {
-        case: {
-            "forward": round(1000 * pooled(case, "forward"), 2),
-            "kvtier": round(1000 * pooled(case, "kvtier"), 3),
-            "other": round(
-                1000 * statistics.median(s.ttft - s.forward - s.kvtier for ss in taken[case] for s in ss), 2
-            ),
-        }
-        for case in MISS_CASES
-    }
-    # Where kvtier's time on a miss goes: each hook's median, in ms.
-    misses = [s for samples in taken["miss"] for s in samples]
-    kvtier_by_hook = {
-        name: round(1000 * statistics.median(s.by_hook.get(name, 0.0) for s in misses), 3)
-        for name in sorted({name for s in misses for name in s.by_hook})
-    }
+    phases = {case: phase_ms([s for samples in taken[case] for s in samples]) for case in MISS_CASES}
+    kvtier_by_hook = hook_ms([s for samples in taken["miss"] for s in samples])
     return {
         "miss_pairs": MISS_PAIRS,
         "miss_samples_per_pair": MISS_SAMPLES,
@@ -519,7 +521,7 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         "ttft_bypassed_ratio_low95": round(bypassed_low, 3),
         "ttft_bypassed_ratio_high95": round(bypassed_high, 3),
         "ttft_miss_same_engine_ratio": round(statistics.median(same_engine), 3),
-        "ttft_ms_by_phase": phase_ms,
+        "ttft_ms_by_phase": phases,
         "ttft_miss_forward_ratio": round(pooled("miss", "forward") / pooled("off", "forward"), 3),
         "ttft_bypassed_forward_ratio": round(pooled("bypassed", "forward") / pooled("off", "forward"), 3),
         "ttft_miss_kvtier_fraction": round(pooled("miss", "kvtier") / pooled("off"), 4),
@@ -575,17 +577,8 @@ def bench_ttft(
                 # right after the cold memcpy, which left the CPU's caches as a hit's copy leaves them
                 # for its forward. A one-token prompt right after a hit (caches warm from the hit's
                 # forward) is reported beside it.
-                hit_s, one_warm_s, memcpy_s, one_s = in_turns(
-                    [
-                        lambda i: _ttft_once(llm, prompts[i]),
-                        lambda i: _ttft_once(llm, [5]),
-                        _cold_copy_sampler(kv_bytes),
-                        lambda i: _ttft_once(llm, [5]),
-                    ],
-                    repeat,
-                )
-                out["ttft_cpu_hit_ms"], out["ttft_one_token_ms"] = hit_s, one_s
-                out["ttft_one_token_warm_ms"] = one_warm_s
+                figures, memcpy_s, hit_phases = _cpu_hit_and_floor(llm, prompts, kv_bytes)
+                out.update(figures)
                 _wait_released(client)
                 client.clear([Tier.CPU]).result(30)
                 before = _hit_tokens(client)
@@ -621,6 +614,8 @@ def bench_ttft(
     out["cold_memcpy_gbps"] = memcpy
     out = {k: (round(v * 1000, 2) if k.endswith("_ms") else v) for k, v in out.items()}
     out.update({k: (round(v, 2) if k.endswith("_ms") else v) for k, v in miss.items()})
+    out["ttft_ms_by_phase"].update(hit_phases["ttft_ms_by_phase"])
+    out["cpu_hit_kvtier_by_hook"] = hit_phases["cpu_hit_kvtier_by_hook"]
     out["kv_bytes_loaded"] = kv_bytes
     out["cold_memcpy_ms"] = round(memcpy_ms, 2)
     out["cpu_hit_load_over_memcpy_ratio"] = round(
@@ -640,6 +635,47 @@ def bench_ttft(
         out["ttft_vllm_prefix_hit_ms"] / out["ttft_vllm_one_token_ms"], 3
     )
     return out
+
+
+def _cpu_hit_and_floor(
+    llm: Any, prompts: list[list[int]], kv_bytes: int
+) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """CPU hits of prompts and the floor's parts, sampled in turn (see bench_ttft): the TTFTs in
+    seconds (under the _ms names bench_ttft gives them in ms), the cold memcpy's seconds, and
+    where the hit's time went (_hit_phases)."""
+    cold = ColdCopy(kv_bytes)
+    hit_s, one_warm_s, memcpy_s, one_s = in_turns(
+        [
+            lambda i: _ttft_once(llm, prompts[i]),
+            lambda i: _ttft_once(llm, [5]),
+            lambda _: cold.once(),
+            lambda i: _ttft_once(llm, [5]),
+        ],
+        len(prompts),
+    )
+    figures = {"ttft_cpu_hit_ms": hit_s, "ttft_one_token_ms": one_s, "ttft_one_token_warm_ms": one_warm_s}
+    return figures, memcpy_s, _hit_phases(llm, prompts, cold)
+
+
+def _hit_phases(llm: Any, prompts: list[list[int]], cold: ColdCopy, rounds: int = 3) -> dict[str, Any]:
+    """Where a CPU hit's time goes, and a one-token prompt's after a cold memcpy (the floor's
+    parts), split as the misses' are (phase_ms, hook_ms): samples of their own, taken in turn
+    after the figure's, since timing every connector hook costs a little."""
+    clock = engine_clock(llm, kvtier=True)
+    hits: list[Sample] = []
+    ones: list[Sample] = []
+    try:
+        for _ in range(rounds):
+            for prompt in prompts:
+                hits.append(time_prompt(llm, clock, prompt))
+                cold.once()
+                ones.append(time_prompt(llm, clock, [5]))
+    finally:
+        clock.restore()
+    return {
+        "ttft_ms_by_phase": {"cpu_hit": phase_ms(hits), "one_token": phase_ms(ones)},
+        "cpu_hit_kvtier_by_hook": hook_ms(hits),
+    }
 
 
 def bench_hit_over_prefix_hit(

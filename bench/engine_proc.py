@@ -22,6 +22,8 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
+from bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock, model_runner
+
 # A start loads vLLM and builds the engine; several minutes means it is stuck.
 START_TIMEOUT_S = 600.0
 SAMPLE_TIMEOUT_S = 300.0
@@ -102,6 +104,36 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
                 delattr(conn, name)
 
 
+def engine_clock(llm: Any, kvtier: bool) -> PhaseClock:
+    """A PhaseClock on an engine running in this process: its model's forward, and kvtier's
+    connector hooks (scheduler and worker side) where it runs kvtier; restore() takes it off."""
+    from tests.e2e.introspect import scheduler_connector, worker_connector
+
+    clock = PhaseClock()
+    clock.time_span(model_runner(llm), "_model_forward")
+    if kvtier:
+        clock.time_hooks(scheduler_connector(llm), SCHEDULER_HOOKS)
+        clock.time_hooks(worker_connector(), WORKER_HOOKS)
+    return clock
+
+
+def time_prompt(llm: Any, clock: PhaseClock, prompt: list[int], bypass: bool = False) -> Sample:
+    """Time prompt alone to its first token in an engine running in this process, with the phases
+    clock (engine_clock) saw meanwhile; bypass: kvtier answers "nothing"."""
+    from tests.e2e.harness import generate
+
+    clock.take()  # from here on
+    start = time.perf_counter()
+    if bypass:
+        with kvtier_bypassed(llm):
+            generate(llm, [prompt], 1)
+    else:
+        generate(llm, [prompt], 1)
+    took = time.perf_counter() - start
+    phases = clock.take()
+    return Sample(took, phases.span, phases.by_hook)
+
+
 def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
            cpus: frozenset[int]) -> None:  # fmt: skip
     """The child: start the engine, then answer ("ttft", prompt, bypass) with a Sample until None."""
@@ -110,30 +142,15 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
         from app.affinity import run_on
 
         run_on(cpus)  # the parent may already be bound to one core by an in-process engine
-        from bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock, model_runner
         from tests.e2e.harness import generate, make_prompt, running_engine
-        from tests.e2e.introspect import scheduler_connector, worker_connector
 
         with running_engine(model, kv_config, **engine) as llm:
             generate(llm, [make_prompt(2, 64)], 1)  # warm up
-            clock = PhaseClock()
-            clock.time_span(model_runner(llm), "_model_forward")
-            if kv_config is not None:
-                clock.time_hooks(scheduler_connector(llm), SCHEDULER_HOOKS)
-                clock.time_hooks(worker_connector(), WORKER_HOOKS)
+            clock = engine_clock(llm, kvtier=kv_config is not None)
             conn.send(("ready", None))
             while (request := conn.recv()) is not None:
                 _, prompt, bypass = request
-                clock.take()  # from here on
-                start = time.perf_counter()
-                if bypass:
-                    with kvtier_bypassed(llm):
-                        generate(llm, [prompt], 1)
-                else:
-                    generate(llm, [prompt], 1)
-                took = time.perf_counter() - start
-                phases = clock.take()
-                conn.send(("ttft", Sample(took, phases.span, phases.by_hook)))
+                conn.send(("ttft", time_prompt(llm, clock, prompt, bypass)))
     except BaseException:  # reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
     finally:

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from bench.engine_proc import kvtier_bypassed
+from bench.connector import hook_ms, phase_ms
+from bench.engine_proc import Sample, engine_clock, kvtier_bypassed, time_prompt
 from bench.phases import PhaseClock, model_runner
 
 
@@ -146,3 +147,58 @@ def test_model_runner_is_found_under_the_worker_wrapper_or_the_worker() -> None:
     )
     with pytest.raises(RuntimeError, match="no model runner"):
         model_runner(empty)
+
+
+def _engine(runner: Any, scheduler_connector: Any) -> Any:
+    """An in-process LLM as bench/phases.py and tests/e2e/introspect.py reach into it."""
+    core = SimpleNamespace(
+        model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
+        scheduler=SimpleNamespace(connector=scheduler_connector),
+    )
+    return SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core)))
+
+
+def test_time_prompt_splits_one_prompt_into_the_forward_kvtier_hooks_and_the_rest(
+    clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = _Connector(clock)
+    runner = _Runner(clock, worker)
+    llm = _engine(runner, SimpleNamespace())  # a scheduler side without hooks of its own
+    monkeypatch.setattr("tests.e2e.introspect.worker_connector", lambda: worker)
+    prompts: list[list[int]] = []
+
+    def generate(engine: Any, batch: list[list[int]], max_tokens: int) -> None:
+        assert engine is llm and max_tokens == 1
+        prompts.extend(batch)
+        clock.now += 0.020  # vLLM's own work
+        runner._model_forward()
+        worker.wait_for_save()
+
+    monkeypatch.setattr("tests.e2e.harness.generate", generate)
+    timer = engine_clock(llm, kvtier=True)
+    clock.now += 5.0  # before the prompt: not counted
+    sample = time_prompt(llm, timer, [1, 2, 3])
+    assert prompts == [[1, 2, 3]]
+    assert sample.ttft == pytest.approx(0.182)
+    assert sample.forward == pytest.approx(0.150)  # its per-layer hook left out
+    assert sample.by_hook == pytest.approx(
+        {"wait_for_layer_load": 0.002, "wait_for_save": 0.010, "get_finished": 0.0}
+    )
+    assert sample.kvtier == pytest.approx(0.012)
+
+    timer.restore()
+    assert "wait_for_save" not in vars(worker)
+    plain = engine_clock(llm, kvtier=False)  # an engine without kvtier: the forward alone
+    sample = time_prompt(llm, plain, [4])
+    assert (sample.ttft, sample.forward, sample.by_hook) == (pytest.approx(0.182), pytest.approx(0.152), {})
+
+
+def test_phase_and_hook_medians_of_samples_in_ms() -> None:
+    samples = [
+        Sample(0.010, 0.006, {"load": 0.001, "lookup": 0.002}),
+        Sample(0.020, 0.012, {"load": 0.003}),  # no lookup: counted as 0
+        Sample(0.030, 0.015, {"load": 0.002, "lookup": 0.004}),
+    ]
+    # kvtier: 3, 3 and 6 ms; other: 1, 5 and 9 ms
+    assert phase_ms(samples) == pytest.approx({"forward": 12.0, "kvtier": 3.0, "other": 5.0})
+    assert hook_ms(samples) == pytest.approx({"load": 2.0, "lookup": 2.0})
