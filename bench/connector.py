@@ -73,7 +73,16 @@ import numpy as np
 
 from bench.arena_dir import arena_dir
 from bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
-from bench.engine_proc import EngineProcess, Sample, engine_clock, environment, kvtier_bypassed, time_prompt
+from bench.engine_proc import (
+    EngineProcess,
+    Sample,
+    engine_clock,
+    environment,
+    hook_ms,
+    kvtier_bypassed,
+    phase_ms,
+    time_prompt,
+)
 from bench.phases import SCHEDULER_HOOKS, PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -404,25 +413,6 @@ MISS_CASES = ("off", "miss", "bypassed")
 def _kvtier_first(pair: int) -> bool:
     """Whether the engine with kvtier starts first in this pair (every second pair)."""
     return pair % 2 == 1
-
-
-def phase_ms(samples: Sequence[Sample]) -> dict[str, float]:
-    """Where the samples' time went, medians in ms: the model's forward, kvtier's hooks, and
-    vLLM's work besides both."""
-    return {
-        "forward": round(1000 * statistics.median(s.forward for s in samples), 2),
-        "kvtier": round(1000 * statistics.median(s.kvtier for s in samples), 3),
-        "other": round(1000 * statistics.median(s.ttft - s.forward - s.kvtier for s in samples), 2),
-    }
-
-
-def hook_ms(samples: Sequence[Sample]) -> dict[str, float]:
-    """Where kvtier's time in the samples went: each connector hook's median, in ms (0 for a
-    sample that did not call it)."""
-    names = sorted({name for s in samples for name in s.by_hook})
-    return {
-        name: round(1000 * statistics.median(s.by_hook.get(name, 0.0) for s in samples), 3) for name in names
-    }
 
 
 def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:

@@ -6,7 +6,9 @@ differ by up to 40% for the same prompts, while two engines sampled in turn see 
 Only one of them computes at a time; the other waits in ``Connection.recv``, using no CPU.
 Each sample also says how long the model's forward took and how long kvtier's hooks did
 (bench/phases.py), so a gap between the two engines can be told apart: kvtier's own work on the
-prompt's path, or the same forward running slower in the other process.
+prompt's path, or the same forward running slower in the other process. The child takes its samples
+with ``engine_clock`` and ``time_prompt``, which time an engine running in the calling process;
+bench.connector calls them on its in-process engines too. ``phase_ms`` and ``hook_ms`` take medians.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import statistics
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -72,6 +75,25 @@ class Sample:
     def kvtier(self) -> float:
         """kvtier's connector hooks, scheduler and worker side (0 without kvtier)."""
         return sum(self.by_hook.values())
+
+
+def phase_ms(samples: Sequence[Sample]) -> dict[str, float]:
+    """Where the samples' time went, medians in ms: the model's forward, kvtier's hooks, and
+    vLLM's work besides both."""
+    return {
+        "forward": round(1000 * statistics.median(s.forward for s in samples), 2),
+        "kvtier": round(1000 * statistics.median(s.kvtier for s in samples), 3),
+        "other": round(1000 * statistics.median(s.ttft - s.forward - s.kvtier for s in samples), 2),
+    }
+
+
+def hook_ms(samples: Sequence[Sample]) -> dict[str, float]:
+    """Where kvtier's time in the samples went: each connector hook's median, in ms (0 for a
+    sample that did not call it)."""
+    names = sorted({name for s in samples for name in s.by_hook})
+    return {
+        name: round(1000 * statistics.median(s.by_hook.get(name, 0.0) for s in samples), 3) for name in names
+    }
 
 
 @contextlib.contextmanager

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.connector import hook_ms, phase_ms
-from bench.engine_proc import Sample, engine_clock, kvtier_bypassed, time_prompt
+from bench.engine_proc import Sample, engine_clock, hook_ms, kvtier_bypassed, phase_ms, time_prompt
 from bench.phases import PhaseClock, model_runner
 
 
