@@ -76,6 +76,24 @@ def _step_tokens(vllm_config: Any) -> int:
     return 1 + max(0, int(drafts or 0))
 
 
+# KV cache specs whose blocks stay with a request until it finishes or is preempted. Others (sliding
+# windows, chunked local attention, R-SWA, state spaces) have vLLM free or overwrite blocks of running
+# requests, which a deferred save could read after reuse and store as a valid chunk.
+SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def check_kv_spec(kv_spec: Any) -> None:
+    """Raise UnsupportedEngine unless the KV cache spec is one kvtier serves (SERVED_SPECS)."""
+    name = type(kv_spec).__name__
+    if name not in SERVED_SPECS:
+        window = getattr(kv_spec, "sliding_window", None)
+        detail = f" with a sliding window of {window} tokens" if window else ""
+        raise UnsupportedEngine(
+            f"kvtier serves KV caches of full attention or MLA ({', '.join(SERVED_SPECS)}); this "
+            f"engine's is {name}{detail}, whose blocks vLLM frees or reuses while requests run"
+        )
+
+
 def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -> ConnectorConfig:
     """Validate settings and derive geometry and namespace; raises SettingsError or UnsupportedEngine."""
     kv_transfer = vllm_config.kv_transfer_config
@@ -99,6 +117,7 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         )
     group = kv_cache_config.kv_cache_groups[0]
     kv_spec = group.kv_cache_spec
+    check_kv_spec(kv_spec)
     parallel = vllm_config.parallel_config
     tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
     model = vllm_config.model_config

@@ -190,7 +190,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, KVTierMetadata):
-            self._worker.start_load(meta)
+            self._worker.start_load(meta, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Hold the layer's attention until this step's loads of that layer are in place."""

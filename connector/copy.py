@@ -30,7 +30,6 @@ other, so the loads are copied by the caller before the forward instead.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -41,7 +40,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from connector.block_ids import Run, block_runs, check_block_ids
 from connector.copy_thread import CopyThread
+from connector.layout import LayoutError, PageLayout, block_planes
 from storage.tiers.threads import TwoEnds
 
 if TYPE_CHECKING:
@@ -50,29 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LayoutError(ValueError):
-    """The KV tensors do not have a layout kvtier can copy as whole blocks."""
-
-
-def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
-    """The layer's KV as uint8 planes of shape ``[num_blocks, plane_bytes]`` (views, no copy)."""
-    if kv.dim() >= 1 and kv.shape[0] == num_blocks and kv.is_contiguous():
-        return [kv.view(torch.uint8).view(num_blocks, -1)]
-    if kv.dim() >= 2 and kv.shape[1] == num_blocks and kv.shape[0] <= 4:
-        planes = []
-        for part in kv.unbind(0):
-            if not part.is_contiguous():
-                raise LayoutError(f"KV plane of shape {tuple(part.shape)} is not contiguous")
-            planes.append(part.view(torch.uint8).view(num_blocks, -1))
-        return planes
-    raise LayoutError(
-        f"KV tensor of shape {tuple(kv.shape)} has no leading block dimension of size {num_blocks}"
-    )
-
-
-# A run of block ids that step by +1 or -1: (index of its first id, length, its blocks' rows in the
-# ids' order, as a slice of a layer's plane).
-_Run = tuple[int, int, slice]
 # A CPU copy of layers [lo, hi): (lo, hi, slot, where the chunk's blocks lie, first slot row).
 _LayerCopy = Callable[[int, int, np.ndarray, "ChunkRows", int], None]
 
@@ -203,42 +181,6 @@ def loads_overlap(helper_cpus: frozenset[int] | None, compute_threads: int) -> b
     return helper_cpus is not None and len(helper_cpus) > compute_threads
 
 
-def block_runs(ids: Sequence[int]) -> list[_Run]:
-    """Runs of block ids that step by +1 (a fresh engine's) or by -1, as (index of the run's first
-    id, length, the rows of its blocks in the ids' order).
-
-    vLLM frees a request's blocks last one first and hands out the longest-free blocks first, so
-    once its never-used blocks are gone, a new request's blocks mostly come in descending order
-    (seen with its prefix cache on). Taken one block at a time, a 256-token chunk at block size 32
-    was 8 copies per layer instead of 1; 6 such chunks loaded in 1.51 ms instead of 1.62 here.
-    """
-    runs: list[_Run] = []
-    i, count = 0, len(ids)
-    while i < count:
-        first = ids[i]
-        step = -1 if i + 1 < count and ids[i + 1] == first - 1 else 1
-        end = i + 1
-        while end < count and ids[end] == ids[end - 1] + step:
-            end += 1
-        n = end - i
-        if step == 1:
-            rows = slice(first, first + n)
-        else:  # first, first - 1, ..., first - n + 1; a stop of -1 would mean the last row
-            rows = slice(first, first - n if first - n >= 0 else None, -1)
-        runs.append((i, n, rows))
-        i = end
-    return runs
-
-
-def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> list[int]:
-    """The ids as ints; ValueError where one lies outside the cache's blocks (a copy must never
-    touch another request's blocks, and numpy's clipping gathers and CUDA kernels do not check)."""
-    ids = [int(b) for b in block_ids]
-    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
-        raise ValueError(f"block id out of range 0..{num_blocks - 1}: {min(ids)}..{max(ids)}")
-    return ids
-
-
 # A chunk whose blocks form this many runs or more is copied with one gather or indexed assignment
 # per layer. Measured here against memcpy of the same bytes (8 layers, 4 MiB chunks, cache-warm):
 # 8 single-block runs 0.74x by slices, 0.90x gathered; 16 blocks of 32 KiB 0.56x against 0.82x;
@@ -251,7 +193,7 @@ class ChunkRows:
     """Where one chunk's blocks lie in a layer's planes: their runs, and where they are scattered
     over many runs, their ids as an index for one gather (save) or indexed assignment (load)."""
 
-    runs: list[_Run]
+    runs: list[Run]
     index: np.ndarray | None = None
 
 
@@ -263,18 +205,6 @@ def chunk_rows(ids: Sequence[int], one_plane: bool) -> ChunkRows:
     if one_plane and len(runs) >= GATHER_RUNS:
         return ChunkRows(runs, np.array(ids, dtype=np.intp))
     return ChunkRows(runs)
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """Bytes of one block of one layer, and how they split across planes."""
-
-    plane_bytes: tuple[int, ...]
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one block of one layer."""
-        return sum(self.plane_bytes)
 
 
 class BlockCopier:
@@ -377,7 +307,9 @@ class BlockCopier:
             try:
                 ended = self._gpu.save(chunks)
             except Exception as exc:  # save() left no copy of the batch running
-                _report(done, exc)
+                # Reported in order with the earlier batches, which may still be copying: done()
+                # ends a batch, and the worker frees blocks once every earlier batch has ended.
+                self._helper.submit(_report, done, exc)
                 return
             self._helper.submit(_await_save, ended, done)
             return
@@ -393,8 +325,8 @@ class BlockCopier:
             return
         try:
             work = [(slot.numpy(), self._rows(ids)) for slot, ids in chunks]
-        except ValueError as exc:  # a bad block id: nothing was copied
-            _report(done, exc)
+        except ValueError as exc:  # a bad block id: nothing was copied; reported in order, as above
+            self._saver.submit(_report, done, exc)
             return
         self._saver.submit(self._save_all, work, done)
 
@@ -520,32 +452,3 @@ def _await_save(ended: torch.cuda.Event, done: Callable[[BaseException | None], 
     except Exception as exc:
         error = exc
     _report(done, error)
-
-
-def pin_host_buffer(buf: memoryview) -> bool:
-    """Register a host buffer (the arena mapping) as pinned memory for DMA; False without CUDA or
-    when CUDA refuses (the copies then run from pageable memory: correct, slower)."""
-    if not torch.cuda.is_available():
-        return False
-    tensor = torch.frombuffer(buf, dtype=torch.uint8)
-    result = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0))
-    if result == 0:
-        return True
-    # The runtime keeps a failed call's error for the next launch check, where one of vLLM's own
-    # kernels would raise it (seen on an H100: "CUDA error: invalid argument" from the next op).
-    # A launch here takes it instead.
-    with contextlib.suppress(RuntimeError):
-        torch.zeros(1, device="cuda")
-    log.warning(
-        "kvtier: cannot pin the arena for DMA (CUDA error %d; a file outside tmpfs cannot be pinned, "
-        "keep shm_dir on tmpfs such as /dev/shm); copies run from pageable memory, slower",
-        result,
-    )
-    return False
-
-
-def unpin_host_buffer(buf: memoryview) -> None:
-    """Undo pin_host_buffer (safe when it was never pinned)."""
-    if torch.cuda.is_available():
-        tensor = torch.frombuffer(buf, dtype=torch.uint8)
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

@@ -17,7 +17,7 @@ _MAX_BLOCK = 1024  # int64 words per program: 8 KiB, four programs per 32 KiB pl
 # or is first a multiple of 16, which is a compile of seconds inside one of vLLM's steps.
 @triton.jit(do_not_specialize=["first", "step", "n", "lp0"])
 def _stage_blocks(
-    planes_ptr,  # int64 [layers * P]: address of each layer's plane (row b at address + b * WB)
+    planes_ptr,  # int64 [layers * P]: address of each layer's plane (block b's row at address + b * BS)
     ids_ptr,  # int64 [n]: the chunk's block ids (read only when not RUN)
     first,  # the first block id when RUN: the chunk's blocks are first, first + step, ...
     step,  # 1 or -1 when RUN
@@ -25,6 +25,7 @@ def _stage_blocks(
     n,  # rows (blocks) in the chunk
     lp0,  # first layer-plane of the piece
     WB,  # bytes of one block's row in one plane
+    BS,  # bytes from one block's row to the next block's in a plane (WB, or more where layers interleave)
     P: tl.constexpr,
     BLOCK: tl.constexpr,
     TO_STAGE: tl.constexpr,
@@ -37,10 +38,10 @@ def _stage_blocks(
     layer = lp // P
     plane = lp % P
     if RUN:  # noqa: SIM108 (a statement: Triton resolves it at compile time)
-        block = (first + step * row).to(tl.int64)  # 64-bit: block * WB passes 2**31 in a large cache
+        block = (first + step * row).to(tl.int64)  # 64-bit: block * BS passes 2**31 in a large cache
     else:
         block = tl.load(ids_ptr + row)
-    kv = (tl.load(planes_ptr + lp0 + lp) + block * WB).to(tl.pointer_type(tl.int64))
+    kv = (tl.load(planes_ptr + lp0 + lp) + block * BS).to(tl.pointer_type(tl.int64))
     stage = stage_ptr + ((layer.to(tl.int64) * n + row) * P + plane) * words
     mask = cols < words
     if TO_STAGE:
@@ -58,13 +59,15 @@ def stage_blocks(
     layers: int,
     num_planes: int,
     row_bytes: int,
+    block_stride: int,
     to_stage: bool,
 ) -> None:
     """Copy ``rows`` blocks of layers [first_layer, first_layer + layers) to (or from) ``stage``.
 
     ``ids`` is a device tensor of the block ids, or (first id, step) of ``rows`` ids that step by 1
     or -1 (no upload needed). ``stage`` holds ``[layers, rows, num_planes, row_bytes]`` bytes, the slot's own
-    order; ``planes`` holds every layer-plane's base address. Runs on the current stream.
+    order; ``planes`` holds every layer-plane's base address, whose blocks lie ``block_stride`` bytes
+    apart. Runs on the current stream.
     """
     words = row_bytes // 8
     block = min(_MAX_BLOCK, triton.next_power_of_2(words))
@@ -73,6 +76,6 @@ def stage_blocks(
     first, step = ids if isinstance(ids, tuple) else (0, 1)
     _stage_blocks[grid](
         planes, planes if run else ids, first, step, stage.view(torch.int64),
-        rows, first_layer * num_planes, row_bytes,
+        rows, first_layer * num_planes, row_bytes, block_stride,
         P=num_planes, BLOCK=block, TO_STAGE=to_stage, RUN=run, num_warps=4,
     )  # fmt: skip

@@ -80,6 +80,7 @@ class WorkerCounters(_Counts):
     save_skipped_chunks: int = 0
     save_errors: int = 0
     unwaited_layer_loads: int = 0  # steps whose forward skipped a wait_for_layer_load
+    full_graph_loads: int = 0  # steps whose loads a full CUDA graph replay waited for as a whole
     load_seconds: float = 0.0
     save_seconds: float = 0.0
 

@@ -34,11 +34,11 @@ from typing import Any
 from app.affinity import engine_cpus
 from app.client import HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
 from connector.config import ConnectorConfig
-from connector.copy import BlockCopier, LayerLoads, pin_host_buffer, unpin_host_buffer
+from connector.copy import BlockCopier, LayerLoads
 from connector.copy_thread import CopyError
 from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from connector.stats import WorkerCounters, merge_counts
-from storage.arena import ArenaMapping
+from connector.worker_arena import WorkerArena
 from storage.base import SlotRef
 
 log = logging.getLogger(__name__)
@@ -77,40 +77,17 @@ class _PendingLoad:
     started: float
 
 
-class _Arena:
-    """The worker's mapping of the service's arena, tied to one service instance."""
-
-    def __init__(self) -> None:
-        self.instance_id = ""
-        self.mapping: ArenaMapping | None = None
-        self.pinned = False
-
-    def adopt(self, hello: HelloReply) -> None:
-        """Map the arena of this service instance (replacing an older one)."""
-        if hello.instance_id == self.instance_id and self.mapping is not None:
-            return
-        self.close()
-        # Pre-faulted in the background (GIL released): a first touch of each page from this process
-        # costs a fault, about 2.5 ms per MiB-aligned 4 MiB chunk, paid inside wait_for_save and so
-        # by every request's first token while the mapping is fresh.
-        mapping = ArenaMapping.open(hello.arena, prefault=True, cpus=engine_cpus())
-        self.mapping = mapping
-        self.instance_id = hello.instance_id
-        self.pinned = pin_host_buffer(mapping.view(SlotRef(0, hello.arena.size)))
-
-    def view(self, instance_id: str, slot: SlotRef) -> memoryview | None:
-        """The slot's bytes when they belong to the mapped instance, else None."""
-        if self.mapping is None or instance_id != self.instance_id:
-            return None
-        return self.mapping.view(slot)
-
-    def close(self) -> None:
-        """Unpin and unmap."""
-        if self.mapping is not None:
-            if self.pinned:
-                unpin_host_buffer(self.mapping.view(SlotRef(0, self.mapping.size)))
-            self.mapping.close()
-        self.mapping, self.instance_id, self.pinned = None, "", False
+def layers_wait_in_forward(forward_context: Any) -> bool:
+    """Whether the forward about to run asks for each layer's loads (``wait_for_layer_load``): an
+    eager or piecewise-graph forward does (attention runs outside the graphs); a full CUDA graph
+    replay does not, nor does a forward whose context is not set yet when loads start (vLLM's
+    model runner V2 starts them outside any context before it replays a full graph)."""
+    if forward_context is None:  # called outside vLLM's model runner (tests, benchmarks)
+        return True
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    if getattr(mode, "name", mode) == "FULL":
+        return False
+    return getattr(forward_context, "attn_metadata", None) is not None
 
 
 class WorkerSide:
@@ -122,7 +99,7 @@ class WorkerSide:
         self.counters = WorkerCounters()
         self.totals: dict[str, Any] = {}
         self.copier: BlockCopier | None = None
-        self._arena = _Arena()
+        self._arena = WorkerArena(engine_cpus(), cuda=False)
         # Guards _late_errors, _saves_done and the save counters, written from client callbacks and
         # from the copy thread when a deferred save ends.
         self._lock = threading.Lock()
@@ -142,6 +119,11 @@ class WorkerSide:
         self._all_layers = frozenset(self._layer_index.values())
         self._step_loads: _StepLoads | None = None
         self._layered = True  # until vLLM is seen to skip a wait_for_layer_load
+        # Layers the forward waits for before the step's first finish point (wait_for_save,
+        # get_finished or the load-error report); a drafter's layers run after it (see _end_forward).
+        self._in_forward = False
+        self._waits_now: set[int] = set()
+        self._forward_layers: set[int] = set()
         if client is not None:
             self._hello = client.hello(cfg.spec)
 
@@ -158,6 +140,9 @@ class WorkerSide:
                 f"KV page is {copier.layout.page_bytes} bytes, vLLM's spec says {self.cfg.spec.page_bytes}"
             )
         self.copier = copier
+        if copier.device.type == "cuda":
+            self._arena.shutdown()
+            self._arena = WorkerArena(engine_cpus(), cuda=True)
         self._refresh_arena(wait=HELLO_WAIT_S)
 
     def _refresh_arena(self, wait: float = 0.0) -> None:
@@ -170,7 +155,7 @@ class WorkerSide:
                 reply = hello.result(timeout=wait)
                 if reply.instance_id != self._arena.instance_id:
                     self._fence()  # no copy may still use the mapping that adopt() replaces
-                self._arena.adopt(reply)
+                self._arena.adopt(reply, pin_here=wait > 0)  # at start-up; else off the serving path
             except (ServiceError, concurrent.futures.TimeoutError, OSError) as exc:
                 log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
             except Exception as exc:  # a failed mapping must not take vLLM down
@@ -186,13 +171,14 @@ class WorkerSide:
 
     @property
     def ready(self) -> bool:
-        """True when copies can run: KV caches registered and an arena mapped."""
-        return self.copier is not None and self._arena.mapping is not None
+        """True when copies can run: KV caches registered and an arena mapped (and pinned, on CUDA)."""
+        return self.copier is not None and self._arena.usable
 
     # ---------------------------------------------------------------------------------- steps
     def bind(self, meta: KVTierMetadata) -> None:
         """Start this step's reserves early, so their answers are in by wait_for_save."""
         self._finish_loads()  # the last step's, if nothing finished them (its forward raised)
+        self._in_forward, self._waits_now = True, set()
         self._failed_this_step = set()
         self._held_now.update(meta.held)  # reported in get_finished whatever else happens
         self._refresh_arena()
@@ -206,7 +192,7 @@ class WorkerSide:
         if meta.preempted:
             self._fence()
 
-    def start_load(self, meta: KVTierMetadata) -> None:
+    def start_load(self, meta: KVTierMetadata, forward_context: Any = None) -> None:
         """Start copying CPU-tier hits into their blocks; stage lower-tier hits asynchronously."""
         sync = []
         for job in meta.loads:
@@ -221,10 +207,17 @@ class WorkerSide:
         if not sync:
             return
         self._load_layered(sync)
+        step = self._step_loads
+        assert step is not None
         if not self._layered:  # vLLM skipped a layer wait before: finish before the forward
-            assert self._step_loads is not None
-            self._step_loads.waited = set(self._all_layers)
+            step.waited = set(self._all_layers)
             self._finish_loads()
+        elif not layers_wait_in_forward(forward_context):
+            # A full CUDA graph replay reads every layer without asking: what runs next (the
+            # replay, on the compute stream) waits for all of the loads; the host does not.
+            step.loads.wait_layer(len(self._all_layers) - 1)
+            step.waited = set(self._all_layers)
+            self.counters.full_graph_loads += 1
 
     def _load_layered(self, jobs: list[LoadJob]) -> None:
         """Issue the step's sync loads layer by layer; the forward waits per layer (or, where the
@@ -256,13 +249,23 @@ class WorkerSide:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once this step's loads of the layer are in place (CUDA: ordered on the stream)."""
-        step = self._step_loads
-        if step is None:
-            return
         layer = self._layer_index.get(layer_name)
-        if layer is not None:
+        if layer is None:
+            return
+        if self._in_forward:
+            self._waits_now.add(layer)
+        step = self._step_loads
+        if step is not None:
             step.loads.wait_layer(layer)
             step.waited.add(layer)
+
+    def _end_forward(self) -> None:
+        """The step's first finish point: the layers waited for so far are the forward's. A drafter's
+        layers wait later in the step (vLLM asks for load errors before it runs the drafter), read
+        loads that were finished by then, and so are never taken for layers the forward skipped."""
+        if self._in_forward:
+            self._in_forward = False
+            self._forward_layers |= self._waits_now
 
     def _finish_loads(self) -> None:
         """Wait for the step's layer-by-layer loads, check the forward waited for every layer,
@@ -273,7 +276,8 @@ class WorkerSide:
         error = step.loads.finish()
         if error is not None:
             log.warning("kvtier: load copy failed: %s", error)
-        unwaited = sorted(self._all_layers - step.waited)
+        # Layers a forward was seen to wait for (every layer until one is seen) that this one skipped.
+        unwaited = sorted((self._forward_layers or self._all_layers) - step.waited)
         if unwaited:
             names = [self.cfg.layer_names[i] for i in unwaited[:3]]
             log.warning(
@@ -372,6 +376,7 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """Hand this step's finished chunks to the copier, to be copied into their reserved slots and
         committed (after this returns when the copier defers saves)."""
+        self._end_forward()
         self._finish_loads()  # before planning: nothing computed on a failed load is saved
         reserves, self._reserves = self._reserves, []
         deadline = time.monotonic() + self._save_wait
@@ -475,6 +480,7 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Requests whose held blocks are free to go, and async loads that completed."""
+        self._end_forward()
         self._finish_loads()
         for req_id, pending in list(self._async.items()):
             if pending.future.done():
@@ -492,6 +498,7 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call."""
+        self._end_forward()
         self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -515,4 +522,4 @@ class WorkerSide:
         if self.copier is not None:
             self._fence()
             self.copier.close()
-        self._arena.close()
+        self._arena.shutdown()

@@ -12,16 +12,10 @@ import pytest
 import torch
 
 from app.affinity import NICE_STEPS
-from connector.copy import (
-    BlockCopier,
-    LayoutError,
-    block_planes,
-    block_runs,
-    chunk_rows,
-    loads_overlap,
-    pin_host_buffer,
-    unpin_host_buffer,
-)
+from connector.block_ids import block_runs
+from connector.copy import BlockCopier, chunk_rows, loads_overlap
+from connector.layout import LayoutError, block_planes
+from connector.pinning import pin_host_buffer, unpin_host_buffer
 
 NUM_BLOCKS = 12
 DEVICES = [
@@ -33,17 +27,16 @@ DEVICES = [
 @pytest.fixture
 def slot_bytes() -> Iterator:
     """Slot buffers as the worker has them: host memory, registered as pinned where CUDA is."""
-    pinned: list[bytearray] = []
+    pinned: list[list[int]] = []
 
     def make(nbytes: int) -> bytearray:
         buf = bytearray(nbytes)
-        if pin_host_buffer(memoryview(buf)):
-            pinned.append(buf)
+        pinned.append(pin_host_buffer(memoryview(buf)))
         return buf
 
     yield make
-    for buf in pinned:
-        unpin_host_buffer(memoryview(buf))
+    for addresses in pinned:
+        unpin_host_buffer(addresses)
 
 
 def _kv_cpu(seed: int) -> torch.Tensor:
@@ -444,12 +437,13 @@ def test_an_arena_cuda_refuses_to_pin_leaves_no_error_for_the_next_kernel() -> N
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     buf = bytearray(1 << 20)
-    assert pin_host_buffer(memoryview(buf))
+    pinned = pin_host_buffer(memoryview(buf))
+    assert pinned
     try:
         assert not pin_host_buffer(memoryview(buf))  # registered already: CUDA refuses
         assert float(torch.ones(4, device="cuda").sum()) == 4.0  # no stale error raised here
     finally:
-        unpin_host_buffer(memoryview(buf))
+        unpin_host_buffer(pinned)
 
 
 def test_a_cuda_save_that_fails_midway_reports_it_with_nothing_left_running(monkeypatch, slot_bytes) -> None:
@@ -505,3 +499,25 @@ def test_a_cuda_batch_of_ascending_descending_and_scattered_chunks_lands_exactly
                 assert torch.equal(a[block], b[block]) == (block in copied)
     for c in (copier, loader):
         c.close()
+
+
+def test_a_save_batch_refused_at_once_is_reported_after_the_batches_before_it() -> None:
+    # The worker frees a finished request's blocks once every save batch issued before has ended;
+    # a batch refused at once (a bad block id) must not end ahead of one still copying.
+    copier = BlockCopier([_kv_cpu(1), _kv_cpu(2)], NUM_BLOCKS, blocks_per_chunk=2, helper_cpus=TWO_CPUS)
+    assert copier.defers_saves
+    gate, ended = threading.Event(), []
+
+    def first_done(error: BaseException | None) -> None:
+        assert gate.wait(10), "the test never opened the gate"
+        ended.append(("first", error))
+
+    slot = copier.slot_view(bytearray(copier.chunk_bytes))
+    copier.save_batch([(slot, [0, 1])], first_done)
+    copier.save_batch([(slot, [0, NUM_BLOCKS])], lambda error: ended.append(("refused", error)))
+    assert ended == []  # the refusal waits behind the first batch, still on the save thread
+    gate.set()
+    copier.wait()
+    copier.close()
+    assert [name for name, _ in ended] == ["first", "refused"]
+    assert ended[0][1] is None and isinstance(ended[1][1], ValueError)

@@ -102,13 +102,34 @@ def test_without_a_cpu_to_spare_start_load_puts_every_layer_in_place_before_the_
     assert stats["loaded_chunks"] == 1 and stats["unwaited_layer_loads"] == 0
 
 
+def _forward(worker: Any, layers: range, context: Any = None, meta: KVTierMetadata | None = None) -> None:
+    """One step as vLLM's model runner drives it: bind, start_load, the forward's layer waits."""
+    meta = meta or KVTierMetadata()
+    worker.bind(meta)
+    worker.start_load(meta, context)
+    for layer in layers:
+        worker.wait_for_layer_load(f"layer{layer}")
+
+
+def _context(mode: str, attn_metadata: Any = "metadata") -> Any:
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext
+
+    return ForwardContext(
+        no_compile_layers={}, attn_metadata=attn_metadata, slot_mapping={},
+        cudagraph_runtime_mode=CUDAGraphMode[mode],
+    )  # fmt: skip
+
+
 def test_a_forward_that_skips_a_layer_wait_has_its_loads_recomputed_and_later_loads_fenced(
     arena_worker,
 ) -> None:
     worker, client, kv, arena = arena_worker
+    _forward(worker, range(LAYERS))  # a step with no loads: the forward waits for every layer
+    worker.wait_for_save()
     slot, _ = _stored_slot(worker, arena, 0)
-    _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
-    worker.wait_for_layer_load("layer0")  # layers 1 and 2 never waited for (a replayed CUDA graph)
+    _forward(worker, range(1), meta=KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    # layers 1 and 2 were never waited for, though a forward did before
     assert worker.get_finished(set()) == (set(), set())
     assert worker.take_load_errors() == {3, 4}
     worker.wait_for_save()
@@ -123,6 +144,73 @@ def test_a_forward_that_skips_a_layer_wait_has_its_loads_recomputed_and_later_lo
     assert client.released == ["lease-r1", "lease-r2"]
     worker.wait_for_save()
     assert worker.take_load_errors() == set() and worker.stats()["unwaited_layer_loads"] == 0
+
+
+def test_a_first_forward_that_waits_for_no_layer_has_its_loads_recomputed(arena_worker) -> None:
+    worker, _, _, arena = arena_worker
+    slot, _ = _stored_slot(worker, arena, 0)
+    _forward(worker, range(0), meta=KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    assert worker.take_load_errors() == {3, 4}
+    assert worker.stats()["unwaited_layer_loads"] == 1
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["after-a-plain-step", "first-step"])
+def test_a_drafter_whose_layers_wait_after_the_load_report_causes_no_load_error(
+    arena_worker, history: bool
+) -> None:
+    worker, client, kv, arena = arena_worker
+    target, drafter = range(LAYERS - 1), LAYERS - 1  # the last layer is the drafter's
+    if history:
+        _forward(worker, target)
+        assert worker.take_load_errors() == set()
+        worker.wait_for_layer_load(f"layer{drafter}")
+        worker.wait_for_save()
+    slot, stored = _stored_slot(worker, arena, 0)
+    _forward(worker, target, meta=KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    # vLLM (spec decode) reports load errors before the drafter runs and saves after it
+    assert worker.get_finished(set()) == (set(), set())
+    assert worker.take_load_errors() == set()
+    assert torch.equal(_layer_block(kv, drafter, 3), stored[drafter, 0])  # in place before the drafter
+    worker.wait_for_layer_load(f"layer{drafter}")
+    worker.wait_for_save()
+    stats = worker.stats()
+    assert stats["unwaited_layer_loads"] == 0 and stats["failed_load_blocks"] == 0
+    assert stats["loaded_chunks"] == 1 and client.released == ["lease-r1"]
+
+
+@pytest.mark.parametrize(
+    "context",
+    [("FULL", "metadata"), ("NONE", None)],
+    ids=["v1-full-graph", "v2-loads-started-outside-the-forward"],
+)
+def test_loads_before_a_full_graph_replay_are_in_place_before_it_runs(
+    arena_worker, context: tuple[str, Any]
+) -> None:
+    worker, client, kv, arena = arena_worker
+    worker.copier.overlap_loads = True  # even where loads would overlap the forward layer by layer
+    _forward(worker, range(LAYERS), _context("PIECEWISE"))
+    worker.wait_for_save()
+    slot, stored = _stored_slot(worker, arena, 0)
+    _forward(worker, range(0), _context(*context), KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
+    # No layer waited: the replay (CPU: what runs next) finds every layer in place.
+    for layer in range(LAYERS):
+        assert torch.equal(_layer_block(kv, layer, 3), stored[layer, 0])
+        assert torch.equal(_layer_block(kv, layer, 4), stored[layer, 1])
+    assert worker.take_load_errors() == set()
+    worker.wait_for_save()
+    stats = worker.stats()
+    assert stats["full_graph_loads"] == 1 and stats["unwaited_layer_loads"] == 0
+    assert stats["loaded_chunks"] == 1 and client.released == ["lease-r1"]
+
+
+def test_which_forwards_wait_for_each_layer() -> None:
+    from connector.worker import layers_wait_in_forward
+
+    assert layers_wait_in_forward(None)  # outside vLLM's model runner
+    assert layers_wait_in_forward(_context("NONE"))
+    assert layers_wait_in_forward(_context("PIECEWISE"))
+    assert not layers_wait_in_forward(_context("FULL"))
+    assert not layers_wait_in_forward(_context("NONE", attn_metadata=None))
 
 
 def test_a_load_that_cannot_start_is_reported_exactly_and_its_request_saves_nothing_that_step(

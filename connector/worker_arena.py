@@ -1,0 +1,97 @@
+"""The worker's mapping of the service's arena, tied to one service instance, pinned for DMA.
+
+Who owns what: the worker thread owns the ``WorkerArena`` and every mapping it adopts. With CUDA a
+pin thread of its own registers a new mapping (seconds for a large arena) and unregisters and unmaps
+a replaced one, so neither sits on vLLM's serving path; a mapping serves copies only once its pinning
+has ended. At start-up (``register_kv_caches``) the caller may pin in place instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING
+
+from connector.pinning import pin_host_buffer, unpin_host_buffer
+from storage.arena import ArenaMapping
+from storage.base import SlotRef
+
+if TYPE_CHECKING:
+    from app.client import HelloReply
+
+
+def _pin(mapping: ArenaMapping) -> list[int]:
+    return pin_host_buffer(mapping.view(SlotRef(0, mapping.size)))
+
+
+def _release(mapping: ArenaMapping, pinning: concurrent.futures.Future[list[int]] | None) -> None:
+    """Unpin (once any pinning in flight has ended) and unmap."""
+    if pinning is not None:
+        unpin_host_buffer(pinning.result())
+    mapping.close()
+
+
+class WorkerArena:
+    """The arena of the service instance the worker's client talks to, mapped and pinned."""
+
+    def __init__(self, cpus: frozenset[int] | None, cuda: bool) -> None:
+        self.instance_id = ""
+        self.mapping: ArenaMapping | None = None
+        self._cpus = cpus
+        self._pinning: concurrent.futures.Future[list[int]] | None = None
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-pin") if cuda else None
+        )
+
+    def adopt(self, hello: HelloReply, pin_here: bool = False) -> None:
+        """Map this service instance's arena, replacing an older one (the caller has fenced every
+        copy that used it). Pinning runs on the pin thread unless ``pin_here``."""
+        if hello.instance_id == self.instance_id and self.mapping is not None:
+            return
+        self.close(wait=False)
+        # Pre-faulted in the background (GIL released): a first touch of each page from this process
+        # costs a fault, paid inside a step's copies while the mapping is fresh.
+        mapping = ArenaMapping.open(hello.arena, prefault=True, cpus=self._cpus)
+        self.mapping, self.instance_id = mapping, hello.instance_id
+        if self._pool is None:
+            return
+        if pin_here:
+            done: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+            done.set_result(_pin(mapping))
+            self._pinning = done
+        else:
+            self._pinning = self._pool.submit(_pin, mapping)
+
+    @property
+    def usable(self) -> bool:
+        """True when a mapping is adopted and its pinning (if any) has ended."""
+        return self.mapping is not None and (self._pinning is None or self._pinning.done())
+
+    @property
+    def pinned(self) -> bool:
+        """True when the adopted mapping is registered for DMA."""
+        pinning = self._pinning
+        return pinning is not None and pinning.done() and bool(pinning.result())
+
+    def view(self, instance_id: str, slot: SlotRef) -> memoryview | None:
+        """The slot's bytes when they belong to the usable mapping of that instance, else None."""
+        if instance_id != self.instance_id or not self.usable:
+            return None
+        assert self.mapping is not None
+        return self.mapping.view(slot)
+
+    def close(self, wait: bool = True) -> None:
+        """Unpin and unmap the current mapping (on the pin thread unless ``wait``)."""
+        mapping, pinning = self.mapping, self._pinning
+        self.mapping, self.instance_id, self._pinning = None, "", None
+        if mapping is None:
+            return
+        if self._pool is None or wait:
+            _release(mapping, pinning)
+        else:
+            self._pool.submit(_release, mapping, pinning)
+
+    def shutdown(self) -> None:
+        """Release the mapping and stop the pin thread once its work has ended."""
+        self.close(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
