@@ -1,8 +1,8 @@
 """Block copies between vLLM's per-layer KV tensors and arena slots, as opaque bytes.
 
 A slot holds one chunk laid out ``[layer][block][page]``. A layer's page is the bytes of one block of
-that layer; some layouts split it into planes (FlashAttention's ``[2, num_blocks, ...]`` keeps K and V
-apart), so a page is the concatenation of the block's rows in every plane.
+that layer; where a layout splits it into several dense rows (planes, see ``connector.layout``), a
+page is the concatenation of the block's rows in every plane.
 
 This module imports torch only (no vLLM), so the CUDA data path and its benchmark run where vLLM cannot.
 On CPU, copies are slice assignments between numpy views of the same memory, one per run of
@@ -172,19 +172,15 @@ def loads_overlap(helper_cpus: frozenset[int] | None, compute_threads: int) -> b
     """Whether a copy thread loading layers can overlap the forward: only where the copy thread's
     CPUs outnumber the model's compute threads.
 
-    On fewer, the copy thread and the model's threads share cores: measured on 2 cores (2 compute
-    threads), a full CPU-tier hit of 1536 tokens (24 MiB) copied by the caller before the forward
-    reached its first token 0.06-0.2 ms sooner than copied layer by layer from both ends (medians
-    of paired samples in 3 runs; sooner in 123 of 200), and a hit with 513 tokens left to compute
-    was no slower. A single thread already moves cold bytes at this VM's memory bandwidth.
+    On fewer, the copy thread and the model's threads share cores, and a single thread already moves
+    cold bytes at memory bandwidth: the caller copying before the forward is as fast or faster
+    (docs/performance.md).
     """
     return helper_cpus is not None and len(helper_cpus) > compute_threads
 
 
 # A chunk whose blocks form this many runs or more is copied with one gather or indexed assignment
-# per layer. Measured here against memcpy of the same bytes (8 layers, 4 MiB chunks, cache-warm):
-# 8 single-block runs 0.74x by slices, 0.90x gathered; 16 blocks of 32 KiB 0.56x against 0.82x;
-# 2 runs about even (0.88x); one run 0.97x by its slice against 0.91x gathered.
+# per layer: from 3 runs on, a gather beats one slice per run (docs/performance.md).
 GATHER_RUNS = 3
 
 
@@ -200,7 +196,7 @@ class ChunkRows:
 def chunk_rows(ids: Sequence[int], one_plane: bool) -> ChunkRows:
     """Plan one chunk's CPU copy: its runs, plus an index where the blocks form GATHER_RUNS runs or
     more and a layer is one plane (a gather into one plane of a split page would be strided, and
-    numpy buffers such an output, measured at 0.37x of memcpy against 0.53x by slices)."""
+    numpy buffers such an output)."""
     runs = block_runs(ids)
     if one_plane and len(runs) >= GATHER_RUNS:
         return ChunkRows(runs, np.array(ids, dtype=np.intp))
@@ -350,18 +346,17 @@ class BlockCopier:
 
     def _on_cpu(self, copy: _LayerCopy, slot: np.ndarray, rows: ChunkRows, first: int) -> None:
         """Run a CPU copy of every layer of one chunk: every second chunk between fences goes to the
-        copy thread. Whole chunks, not halves: splitting one 4 MiB chunk costs more in hand-offs and
-        GIL switches than the second core gives back (measured: 0.5x vs 0.78x of memcpy)."""
+        copy thread. Whole chunks, not halves: splitting one chunk costs more in hand-offs and GIL
+        switches than the second core gives back."""
         self._turn += 1
         if self._helper is None or self._turn % 2:
             copy(0, self.num_layers, slot, rows, first)
         else:
             self._helper.submit(copy, 0, self.num_layers, slot, rows, first)
 
-    # One slice assignment per run of blocks (ascending or descending, see block_runs) and plane: a
-    # plain memcpy per block row, measured at memcpy speed here, where fancy indexing into a
-    # temporary reaches about half of it. A chunk is usually one run; scattered ones are gathered
-    # (chunk_rows), with mode="clip" because "raise" buffers the whole output (ids were checked).
+    # One slice assignment per run of blocks and plane (a memcpy per row; fancy indexing into a
+    # temporary would copy twice). Scattered chunks are gathered (chunk_rows) with mode="clip",
+    # because "raise" buffers the whole output (the ids were checked).
     def _save_cpu(self, lo: int, hi: int, slot: np.ndarray, rows: ChunkRows, first: int) -> None:
         for layer in range(lo, hi):
             dest = slot[layer]

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # the worker side also runs where only torch is (bench/gpu_check.py on a GPU machine)
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """vLLM's base class of connector metadata, where vLLM is not installed."""
 
 
 @dataclass(slots=True)
