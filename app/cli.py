@@ -106,6 +106,15 @@ def _print_stats(stats: dict[str, Any]) -> None:
         "connections",
     ):
         print(f"{key:<18} {stats.get(key, 0)}")
+    _print_engines(stats.get("engines") or [])
+
+
+def _print_engines(engines: list[dict[str, Any]]) -> None:
+    """One line per connected connector: its engine, its role, and whether it serves (or why not)."""
+    print(f"{'engines':<18} {len(engines)}")
+    for engine in engines:
+        state = "active" if engine.get("active") else f"idle: {engine.get('reason') or 'no reason given'}"
+        print(f"  {engine.get('engine_id', '?')}  {engine.get('role', '?'):<9}  {state}")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

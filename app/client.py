@@ -45,6 +45,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+import msgspec
+
 from app import protocol as p
 from app.address import Address, parse_url
 from app.affinity import engine_cpus, run_on
@@ -172,6 +174,7 @@ class ServiceClient:
         self._closed = False
         self._hello: HelloReply | None = None
         self._specs: dict[NamespaceSpec, None] = {}  # ordered set; read and written under _lock
+        self._report: p.Report | None = None  # the last report(), sent again after every reconnect
         self._reconnect: asyncio.Task[None] | None = None
         self._ready = threading.Event()
         self._loop = new_event_loop()
@@ -283,6 +286,22 @@ class ServiceClient:
     def health(self, timeout: float | None = None) -> Future[HealthReply]:
         """Whether the service can serve, and each tier's state."""
         return self._call(p.Health(id=next(self._ids)), timeout)
+
+    def report(
+        self, engine_id: str, role: str, active: bool, reason: str = "", timeout: float | None = None
+    ) -> Future[None]:
+        """Tell the service whether this side (role) of the engine serves, and why not. The service
+        lists it while this client is connected; it is told again after every reconnect."""
+        msg = p.Report(
+            id=next(self._ids),
+            engine_id=engine_id[: p.MAX_NAME_CHARS],
+            role=role[: p.MAX_NAME_CHARS],
+            active=active,
+            reason=reason[: p.MAX_REASON_CHARS],  # a longer one would not decode there
+        )
+        with self._lock:
+            self._report = msg
+        return self._call(msg, timeout)
 
     @property
     def connected(self) -> bool:
@@ -788,14 +807,21 @@ class ServiceClient:
         return channel
 
     async def _handshake(self, channel: Channel) -> HelloReply:
-        """Hello without a spec, then one per registered namespace, all before any queued call."""
+        """Hello without a spec, then one per registered namespace, then the last report, all
+        before any queued call."""
         with self._lock:
             specs: list[NamespaceSpec | None] = [None, *self._specs]
+            report = self._report
+        messages: list[Any] = [
+            p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
+            for spec in specs
+        ]
+        if report is not None:
+            messages.append(msgspec.structs.replace(report, id=next(self._ids)))
         futures = []
         deadline = time.monotonic() + self._connect_timeout
-        for spec in specs:
-            msg = p.Hello(id=next(self._ids), version=p.PROTOCOL_VERSION, token=self._token, spec=spec)
-            call = Call(None, msg.id, self._encode(msg), CONVERT[p.Hello], deadline)
+        for msg in messages:
+            call = Call(None, msg.id, self._encode(msg), CONVERT[type(msg)], deadline)
             with self._lock:
                 self._pending[call.id] = call
                 if not channel.write(call.frame):

@@ -166,6 +166,7 @@ CONVERT: dict[type, tuple[type, Callable[[Any], Any]]] = {
     p.Clear: (p.CountReply, _count),
     p.Stats: (p.StatsReply, _stats),
     p.Health: (p.HealthReply, _health),
+    p.Report: (p.OkReply, _none),
 }
 
 

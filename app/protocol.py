@@ -23,7 +23,8 @@ from storage.base import NamespaceSpec, SlotRef, Tier
 # 4: Lookup.replaces (a new lookup ends the request's previous lease in the same call), and
 # LookupReply carries slot offsets and their one length instead of one [offset, length] per hit.
 # 5: LookupReply.offsets are packed into bytes (storage.base.SlotList.packed).
-PROTOCOL_VERSION: Final = 5
+# 6: Report (a connector says whether its side of an engine serves; Stats lists it under engines).
+PROTOCOL_VERSION: Final = 6
 HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
 # A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
@@ -32,13 +33,16 @@ MAX_FRAME_BYTES: Final = 8 << 20
 KEEP_BUFFER_BYTES: Final = 1 << 20  # an encoder keeps a buffer this big for the next frame
 
 Hash = Annotated[bytes, msgspec.Meta(max_length=256)]
-Name = Annotated[str, msgspec.Meta(max_length=256)]
+MAX_NAME_CHARS: Final = 256
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 # An arena slot on the wire is the array [offset, length]. SlotRef is a NamedTuple, which msgspec
 # encodes exactly like a tuple: both ends send the SlotRefs they hold as they are. Replies decode
 # straight into SlotRefs (what the client hands out); requests into plain tuples, 40% faster to
 # decode, which the service only uses to look up the SlotRefs it reserved.
 Slot = tuple[int, int]
 Token = Annotated[str, msgspec.Meta(max_length=4096)]
+MAX_REASON_CHARS: Final = 1024  # a Report's reason; senders cut a longer one to this
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 V = TypeVar("V")
 
@@ -152,12 +156,25 @@ class Health(_Msg, tag="health"):
     """Whether the service can serve, and each tier's state."""
 
 
+class Report(_Msg, tag="report"):
+    """A connector's state: whether its side (role) of an engine serves, and why not. The service
+    keeps the connection's latest Report, lists it in Stats as one of ``engines``, and forgets it
+    when the connection closes."""
+
+    engine_id: Name
+    role: Name
+    active: bool
+    reason: Reason = ""
+
+
 def one_value(values: list[V]) -> list[V] | V:
     """values as LookupReply carries its tiers and lengths: their one value when all are equal."""
     return values[0] if values and values.count(values[0]) == len(values) else values
 
 
-Request = Hello | Lookup | Stage | Reserve | Commit | Abort | Release | Delete | Clear | Stats | Health
+Request = (
+    Hello | Lookup | Stage | Reserve | Commit | Abort | Release | Delete | Clear | Stats | Health | Report
+)
 
 
 # ------------------------------------------------------------------------------------------ replies
@@ -208,7 +225,7 @@ class ReserveReply(_Msg, tag="reserve_ok"):
 
 
 class OkReply(_Msg, tag="ok"):
-    """Answer of Commit, Abort and Release (unless it asked for no reply)."""
+    """Answer of Commit, Abort, Report and Release (unless it asked for no reply)."""
 
 
 class CountReply(_Msg, tag="count"):

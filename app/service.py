@@ -4,7 +4,9 @@ Who owns what: everything here runs on the service's one event loop, and nothing
 ``Service`` owns the store, the connections, and two ownership maps: lease id -> connection and
 reserved slot -> connection. A lease or a reserved slot belongs to the connection that took it; when
 that connection drops (the client exited or was killed), its in-flight calls finish first and then
-its leases are released and its reserved slots aborted, so a vanished client leaks nothing.
+its leases are released and its reserved slots aborted, so a vanished client leaks nothing. A
+connection also holds the last Report its connector sent (whether that side of its engine serves),
+which the stats list under ``engines`` for as long as the connection is open.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Connection(asyncio.Protocol):
         self.inflight: set[asyncio.Task[None]] = set()
         self.last_hello: asyncio.Task[None] | None = None
         self.held: list[bytes] | None = None  # replies held while one read's calls are served
+        self.report: p.Report | None = None  # the connector's state, as it last reported it
 
     # --------------------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -209,6 +212,7 @@ class Service:
             p.Clear: self._clear,
             p.Stats: self._in_task,
             p.Health: self._in_task,
+            p.Report: self._in_task,
         }
         # Calls answered in one step, without a Task, when nothing of the connection is in flight
         # (see dispatch). Only handlers that never await: a Task costs more than a CPU-tier lookup.
@@ -216,6 +220,7 @@ class Service:
         self._now: dict[type, Callable[[Connection, Any], p.Reply | None]] = {
             p.Stats: self._stats,
             p.Health: self._health,
+            p.Report: self._report,
         }
         if isinstance(store, ImmediateStoreAPI):  # the one-step forms of the store's calls
             self._immediate = store
@@ -626,10 +631,30 @@ class Service:
         serving, tiers = self.health()
         return p.HealthReply(id=msg.id, serving=serving, instance_id=self.instance_id, tiers=tiers)
 
+    def _report(self, conn: Connection, msg: p.Report) -> p.Reply:
+        if not msg.active and (conn.report is None or conn.report.reason != msg.reason):
+            log.warning(
+                "a connector is idle",
+                extra={"peer": conn.peer, "engine_id": msg.engine_id, "role": msg.role, "reason": msg.reason},
+            )
+        conn.report = msg
+        return p.OkReply(id=msg.id)
+
     # --------------------------------------------------------------------------- state
     def stats(self) -> dict[str, Any]:
         """The `kvtier stats --json` object."""
-        return stats_dict(self.store.stats(), self.metrics, self.instance_id)
+        out = stats_dict(self.store.stats(), self.metrics, self.instance_id)
+        out["engines"] = self.engines()
+        return out
+
+    def engines(self) -> list[dict[str, Any]]:
+        """What the connected connectors last reported: engine, role, whether it serves and why not."""
+        rows = [
+            {"engine_id": r.engine_id, "role": r.role, "active": r.active, "reason": r.reason}
+            for conn in self.connections
+            if (r := conn.report) is not None
+        ]
+        return sorted(rows, key=lambda row: (row["engine_id"], row["role"], row["reason"]))
 
     def health(self) -> tuple[bool, dict[str, bool]]:
         """(can serve, healthy by tier): serving needs a healthy CPU tier and no shutdown."""

@@ -80,6 +80,13 @@ class KVTierSettings(BaseSettings):
     lookup_budget_ms: float = Field(
         5.0, gt=0, description="Milliseconds the scheduler waits for a lookup before asking again."
     )
+    fail_when_idle: bool = Field(
+        False,
+        description=(
+            "Stop vLLM at startup with an error instead of running it without kvtier when the "
+            "connector cannot serve (engine shape not served, service unreachable, KV layout refused)."
+        ),
+    )
     admin_port: int = Field(
         0, ge=0, le=65535, description="Port of the admin HTTP server (/health /metrics /stats)."
     )

@@ -1,13 +1,21 @@
 """KVTierConnector: the vLLM KV connector class. It only dispatches to the side of its role.
 
-A cache is best effort: when the engine's KV cache is of a shape kvtier does not serve, or the service
-cannot be reached, the connector stays idle (every lookup a miss, nothing saved) and vLLM runs as if it
-were absent. Invalid kvtier settings are the exception: they stop the engine with a clear message.
+A cache is best effort: when the engine's KV cache is of a shape kvtier does not serve, the service
+cannot be reached or started, or a worker's KV cache cannot be copied, the connector stays idle (every
+lookup a miss, nothing saved) and vLLM runs as if it were absent; with ``fail_when_idle`` it stops the
+engine instead (``KVTierIdle``). Idle is never quiet: vLLM's log says why at WARNING (the logger
+``vllm.kvtier.connector`` writes through vLLM's handler), ``vllm:kvtier_active`` is 0 on vLLM's
+/metrics, and the service, when there is one to tell, lists the side as idle in ``kvtier stats``.
+Invalid kvtier settings stop the engine with a clear message.
+
+Each side tells the service its lasting state on its own connection (``ServiceClient.report``). An
+engine refused at config time tells it from the scheduler only, and only a shared service
+(``service_url``): the embedded default would start a private service just to hear that nobody will
+use it. A service that does not answer hears nothing; the connector serves once it answers.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -16,16 +24,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.logger import init_logger
 
 from app.client import ServiceClient
+from app.settings import KVTierSettings, load_settings
 from connector.config import ConnectorConfig, UnsupportedEngine, build_config
 from connector.metadata import KVTierMetadata
 from connector.scheduler import SchedulerSide
-from connector.stats import merge_counts
+from connector.stats import IDLE_SIDES, STATE_KEYS, SideState, merge_counts
 from connector.worker import WorkerSide
 from storage.base import Tier
 
-log = logging.getLogger(__name__)
+# Under vLLM's "vllm" logger: vLLM's handler, format and level, which a logger of our own lacks.
+log = init_logger("vllm.kvtier.connector")
+
+FIRST_ANSWER_S = 5.0  # how long the constructor waits for the service's first answer
+
+
+class KVTierIdle(RuntimeError):
+    """kvtier cannot serve this engine and fail_when_idle asks to stop rather than run without it."""
 
 
 class KVTierStats(KVConnectorStats):
@@ -41,15 +58,20 @@ class KVTierStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """One interval's figures for vLLM's logger."""
-        out: dict[str, int | float] = {k: v for k, v in self.data.items() if isinstance(v, int | float)}
-        count = self.data.get("lookup_count", 0)
+        """One interval's figures for vLLM's logger; ``idle=1`` when a side was idle in it."""
+        data = self.data
+        out: dict[str, int | float] = {
+            k: v for k, v in data.items() if isinstance(v, int | float) and k not in STATE_KEYS
+        }
+        count = data.get("lookup_count", 0)
         if count:
-            out["lookup_avg_ms"] = round(1000.0 * self.data.get("lookup_seconds", 0.0) / count, 3)
+            out["lookup_avg_ms"] = round(1000.0 * data.get("lookup_seconds", 0.0) / count, 3)
+        if data.get(IDLE_SIDES, 0):  # summed over steps: a count of reports, not of sides
+            out["idle"] = 1
         return out
 
     def is_empty(self) -> bool:
-        """True when nothing was counted."""
+        """True when nothing was counted and no state was reported (an idle side always reports)."""
         return not any(self.data.values())
 
 
@@ -68,6 +90,30 @@ def _connect(cfg: ConnectorConfig) -> ServiceClient:
     return connect(cfg.settings, cfg.engine_id, name="kvtier-client")
 
 
+def _first_answer(client: ServiceClient) -> str:
+    """'' once the service answers a hello, else why it did not (the client keeps trying)."""
+    try:
+        # A unix socket nobody listens on fails at once; a silent TCP peer within the client's
+        # connect timeout; the call's own timeout bounds the rest.
+        client.hello(timeout=FIRST_ANSWER_S).result(FIRST_ANSWER_S + 1.0)
+    except Exception as exc:
+        return f"no answer from the service: {exc}"
+    return ""
+
+
+def _settings_of(vllm_config: Any) -> KVTierSettings:
+    # build_config validated them before it refused the engine: loading them again cannot fail.
+    return load_settings(extra=dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+
+
+def _idle_error(reason: str) -> KVTierIdle:
+    return KVTierIdle(
+        f"kvtier cannot serve this engine: {reason}. The setting fail_when_idle "
+        "(KVTIER_FAIL_WHEN_IDLE) is true, so vLLM stops instead of running without kvtier; set it "
+        "to false to let vLLM run without kvtier"
+    )
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier's vLLM KV connector: CPU, disk and Redis tiers behind one lookup."""
 
@@ -75,12 +121,19 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._client: ServiceClient | None = None
         is_worker = role == KVConnectorRole.WORKER
+        self._side = "worker" if is_worker else "scheduler"
+        self._engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self._idle = ""  # why this side stays idle for good; '' while it serves or may serve
+        self._state = SideState()
+        self._said_serving = False  # what the log said last: serving, or idle
         try:
             cfg = build_config(vllm_config, kv_cache_config, role_is_worker=is_worker)
         except UnsupportedEngine as exc:
-            log.warning("kvtier stays idle: %s", exc)
+            self._refused(str(exc), _settings_of(vllm_config))
             return
+        self._settings = cfg.settings
         if cfg.failure_policy != "recompute" and not is_worker:  # one warning per engine
             log.warning(
                 "kvtier: kv_load_failure_policy is %r; a failed load then fails the request. "
@@ -88,22 +141,76 @@ class KVTierConnector(KVConnectorBase_V1):
                 cfg.failure_policy,
             )
         try:
-            client: ServiceClient | None = _connect(cfg)
+            self._client = _connect(cfg)
         except Exception as exc:  # best effort: run without the cache rather than not at all
-            log.warning("kvtier stays idle: cannot reach or start the service: %s", exc)
-            client = None
-        self._client = client
+            self._stay_idle(f"cannot reach or start the kvtier service: {exc}")
+            return
+        self._wait_first_answer()
         if is_worker:
-            self._worker = WorkerSide(cfg, client)
+            self._worker = WorkerSide(cfg, self._client)  # tells the service once its KV is mapped
         else:
-            self._sched = SchedulerSide(cfg, client)
-        log.info(
-            "kvtier connector (%s) ready: namespace %s, chunk %d tokens, service %s",
-            role.name.lower(),
-            cfg.namespace,
-            cfg.settings.chunk_size,
-            cfg.settings.service_url or "embedded",
-        )
+            self._sched = SchedulerSide(cfg, self._client)
+            self._tell_service()
+        if self._said_serving:
+            log.info(
+                "kvtier connector (%s) ready: namespace %s, chunk %d tokens, service %s",
+                self._side,
+                cfg.namespace,
+                cfg.settings.chunk_size,
+                cfg.settings.service_url or "embedded",
+            )
+
+    # ---------------------------------------------------------------------------------- state
+    def _refused(self, reason: str, settings: KVTierSettings) -> None:
+        """The engine is of a shape kvtier does not serve: idle, and a shared service hears of it."""
+        self._settings = settings
+        self._stay_idle(reason)
+        if self._side == "scheduler" and settings.service_url:  # one report per engine
+            self._client = ServiceClient(settings.service_url, settings.auth_token, name="kvtier-report")
+            self._tell_service()
+
+    def _stay_idle(self, reason: str) -> None:
+        """Run without kvtier for good, or stop the engine when fail_when_idle asks to."""
+        if self._settings.fail_when_idle:
+            if self._client is not None:
+                self._client.close()
+            raise _idle_error(reason)
+        log.warning("kvtier (%s) stays idle, vLLM runs without it: %s", self._side, reason)
+        self._idle = reason
+        self._said_serving = False
+
+    def _wait_first_answer(self) -> None:
+        """Wait (bounded) until the service answers; without an answer, idle until it does."""
+        assert self._client is not None
+        why = _first_answer(self._client)
+        if not why:
+            self._said_serving = True
+            return
+        if self._settings.fail_when_idle:
+            self._client.close()
+            raise _idle_error(why)
+        log.warning("kvtier (%s) is idle until the service answers: %s", self._side, why)
+
+    def _serving(self) -> bool:
+        """True while this side serves: nothing keeps it idle and its service is connected."""
+        client = self._client
+        return not self._idle and client is not None and client.connected
+
+    def _tell_service(self) -> None:
+        """Report this side's lasting state; the client keeps it and tells it again on reconnect."""
+        if self._client is not None:
+            self._client.report(self._engine_id, self._side, not self._idle, self._idle)
+
+    def _log_change(self, serving: bool) -> None:
+        """Say in vLLM's log when the service went away or came back."""
+        if serving == self._said_serving:
+            return
+        self._said_serving = serving
+        url = self._client.url if self._client is not None else "?"
+        if serving:
+            log.info("kvtier (%s) serves again: the service at %s answers", self._side, url)
+        else:
+            log.warning("kvtier (%s) is idle until the service at %s answers again", self._side, url)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -163,15 +270,17 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # --------------------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Map vLLM's KV tensors (one per layer) for block copies."""
+        """Map vLLM's KV tensors (one per layer) for block copies; a refused layout leaves this worker
+        idle (or stops the engine, with fail_when_idle)."""
         if self._worker is None:
             return
         try:
             self._worker.register_kv_caches(kv_caches)
         except Exception as exc:
-            log.warning("kvtier stays idle on this worker: %s", exc)
             self._worker.shutdown()
             self._worker = None
+            self._stay_idle(f"this worker's KV cache cannot be copied: {exc}")
+        self._tell_service()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Receive this step's plan and start its reserves."""
@@ -219,11 +328,13 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------------------------- both
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Counters since the last report."""
+        """Counters since the last report, and this side's state (see connector.stats.SideState)."""
         side = self._worker or self._sched
-        if side is None:
-            return None
-        data = side.stats()
+        data = side.stats() if side is not None else {}
+        serving = self._serving()
+        self._state.stamp(data, serving)
+        if not self._idle:
+            self._log_change(serving)
         return KVTierStats(data=data) if any(data.values()) else None
 
     @classmethod
@@ -250,6 +361,5 @@ class KVTierConnector(KVConnectorBase_V1):
             self._sched.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
-        client = getattr(self, "_client", None)
-        if client is not None:
-            client.close()
+        if self._client is not None:
+            self._client.close()

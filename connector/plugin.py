@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.kvtier.plugin")  # under vLLM's logger: its handler and level
 
 CONNECTOR_NAME = "KVTierConnector"
 

@@ -1,10 +1,18 @@
-"""kvtier's connector counters as Prometheus metrics on vLLM's own /metrics (``vllm:kvtier_*``)."""
+"""kvtier's connector counters and state as Prometheus metrics on vLLM's /metrics (``vllm:kvtier_*``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from connector.stats import reported_state
+
+ACTIVE = "vllm:kvtier_active"
+ACTIVE_DOC = (
+    "1 while kvtier serves this engine (the scheduler and every worker), 0 while any of them is idle "
+    "(the engine's log says why); absent until the engine's first step."
+)
 
 # stats key -> (metric name, help text, extra label (name, value) or None)
 COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
@@ -49,7 +57,7 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Registers the counters once and adds each step's figures to them."""
+    """Registers the counters and the state gauge once and adds each step's figures to them."""
 
     def __init__(
         self,
@@ -68,9 +76,23 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for engine, values in per_engine_labelvalues.items():
                 label_values = list(values) + ([extra[1]] if extra else [])
                 self._bound[(engine, key)] = families[name].labels(*label_values)
+        # Each engine's child is made at its first report that carries a state: a 0 before then
+        # would claim an idle engine that has only not run a step yet.
+        gauge_cls: Any = self._gauge_cls  # typed by vLLM as any of its metric classes
+        self._active_family = gauge_cls(
+            name=ACTIVE, documentation=ACTIVE_DOC, labelnames=labelnames, multiprocess_mode="mostrecent"
+        )
+        self._active: dict[int, Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add one report's counts."""
+        """Set the state the report carries, if any, and add its counts."""
+        state = reported_state(transfer_stats_data)
+        if state is not None:
+            gauge = self._active.get(engine_idx)
+            if gauge is None:
+                labels = self.per_engine_labelvalues[engine_idx]
+                gauge = self._active[engine_idx] = self._active_family.labels(*labels)
+            gauge.set(1 if state else 0)
         for key, value in transfer_stats_data.items():
             metric = self._bound.get((engine_idx, key))
             if metric is not None and isinstance(value, int | float) and value > 0:

@@ -1,10 +1,13 @@
-"""Connector counters, reported through vLLM's KV-connector stats (scheduler and worker sides).
+"""Connector counters and state, reported through vLLM's KV-connector stats (scheduler and workers).
 
-Counted per admission from fresh values, never decremented: no counter can go negative.
+Counted per admission from fresh values, never decremented: no counter can go negative. Each side
+also says whether it serves (``SideState``): vLLM sums the reports of the scheduler and every worker,
+so the state travels as counts of sides too, and ``reported_state`` reads it back from a sum.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,3 +96,33 @@ def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     for key, value in b.items():
         out[key] = out.get(key, 0) + value
     return out
+
+
+IDLE_SIDES = "idle_sides"  # in every report of an idle side, so an idle engine's report is never empty
+ACTIVE_SIDES = "active_sides"  # in a side's first report after it began to serve, once
+STATE_KEYS = (IDLE_SIDES, ACTIVE_SIDES)
+
+
+class SideState:
+    """Whether one side (the scheduler or a worker) serves, as its next stats report says it."""
+
+    def __init__(self) -> None:
+        self.serving: bool | None = None  # as the last report said; None before the first report
+
+    def stamp(self, data: dict[str, Any], serving: bool) -> None:
+        """Add the side's state to a report: idle in every one, serving only when it just began."""
+        if not serving:
+            data[IDLE_SIDES] = 1
+        elif self.serving is not True:
+            data[ACTIVE_SIDES] = 1
+        self.serving = serving
+
+
+def reported_state(data: Mapping[str, Any]) -> bool | None:
+    """What a report summed over sides says: False when a side is idle, True when a side began to
+    serve and none is idle, None when it carries no state (the state is unchanged)."""
+    if data.get(IDLE_SIDES, 0) > 0:
+        return False
+    if data.get(ACTIVE_SIDES, 0) > 0:
+        return True
+    return None

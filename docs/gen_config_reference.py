@@ -55,6 +55,7 @@ READ_BY: dict[str, str] = {
     "shm_dir": "both",
     "lease_ttl": "service",
     "lookup_budget_ms": "connector",
+    "fail_when_idle": "connector",
     "admin_port": "service",
     "admin_host": "service",
     "log_level": "both",

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from tests.app import ROOT, kvtier_cmd, python_env
+from app import protocol as p
+from tests.app import ROOT, RawConn, kvtier_cmd, python_env, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 PASSWORD = "hunter2-pa55word"
@@ -134,3 +135,24 @@ def test_console_entry_point_runs(tmp_path: Path) -> None:
     env = python_env(KVTIER_CPU_SIZE="banana")
     out = subprocess.run(kvtier_cmd("config"), env=env, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "KVTIER_CPU_SIZE" in out.stderr
+
+
+def test_stats_lists_the_engines_connected_and_their_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with thread_service(tmp_path) as svc, RawConn(svc.url) as sched, RawConn(svc.url) as worker:
+        sched.hello()
+        worker.hello()
+        sched.call(p.Report(id=2, engine_id="engine-7", role="scheduler", active=True))
+        worker.call(p.Report(id=2, engine_id="engine-7", role="worker", active=False, reason="1-D KV"))
+        code, out, _ = _run(["stats", "--url", svc.url], capsys)
+        assert code == 0
+        assert "engines            2" in out
+        assert "  engine-7  scheduler  active" in out
+        assert "  engine-7  worker     idle: 1-D KV" in out
+        code, out, _ = _run(["stats", "--url", svc.url, "--json"], capsys)
+        assert code == 0
+        assert json.loads(out)["engines"] == [
+            {"engine_id": "engine-7", "role": "scheduler", "active": True, "reason": ""},
+            {"engine_id": "engine-7", "role": "worker", "active": False, "reason": "1-D KV"},
+        ]

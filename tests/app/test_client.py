@@ -375,6 +375,28 @@ def test_reconnects_and_registers_namespaces_again(tmp_path: Path) -> None:
         first.stop()
 
 
+def test_a_report_is_told_again_after_a_reconnect(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    url = f"unix://{tmp_path}/svc.sock"
+    first = ThreadService(url, settings).start()
+    try:
+        with ServiceClient(url, backoff=FAST) as client:
+            assert client.report("e1", "worker", False, "x" * (p.MAX_REASON_CHARS + 10)).result(5) is None
+            engines = client.stats().result(5)["engines"]
+            cut = "x" * p.MAX_REASON_CHARS  # cut to what the service accepts
+            assert engines == [{"engine_id": "e1", "role": "worker", "active": False, "reason": cut}]
+            first.stop()
+            assert wait_until(lambda: not client.connected, 5)
+            second = ThreadService(url, settings).start()
+            try:
+                assert client.wait_connected(5)
+                assert client.stats().result(5)["engines"] == engines  # told without another report()
+            finally:
+                second.stop()
+    finally:
+        first.stop()
+
+
 @contextlib.contextmanager
 def silent_service(tmp: Path) -> Iterator[str]:
     """A unix socket that answers hello and nothing else; yields its path."""

@@ -31,6 +31,8 @@ REQUESTS = [
     p.Clear(id=10, tiers=[0, 2]),
     p.Stats(id=11),
     p.Health(id=12),
+    p.Report(id=13, engine_id="engine-1", role="scheduler", active=True),
+    p.Report(id=14, engine_id="engine-1", role="worker", active=False, reason="KV layout refused"),
 ]
 REPLIES = [
     p.HelloReply(id=1, version=1, instance_id="i", arena_path="/dev/shm/a", arena_size=1 << 20),
@@ -117,6 +119,12 @@ def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:
     commit = p.Commit(id=4, namespace="ns", hashes=[b"h"], slots=[SlotRef(4096, 2048)])
     (request,) = p.request_decoder().feed(enc.encode(commit))
     assert request == commit and request.slots == [(4096, 2048)]  # the service looks tuples up
+
+
+def test_a_report_reason_longer_than_the_limit_is_refused() -> None:
+    long = p.Report(id=1, engine_id="e", role="worker", active=False, reason="x" * (p.MAX_REASON_CHARS + 1))
+    with pytest.raises(p.MalformedFrame):
+        p.request_decoder().feed(p.FrameEncoder().encode(long))
 
 
 def test_a_release_without_the_reply_field_wants_a_reply() -> None:

@@ -267,6 +267,32 @@ def test_dropped_connection_releases_its_leases_and_slots(tmp_path: Path) -> Non
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
 
 
+def test_reports_are_listed_as_engines_while_their_connection_is_open(tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        sched, worker = RawConn(svc.url), RawConn(svc.url)
+        sched.hello()
+        worker.hello()
+        active = p.Report(id=2, engine_id="e1", role="scheduler", active=True)
+        refused = p.Report(id=2, engine_id="e1", role="worker", active=False, reason="KV layout refused")
+        assert sched.call(active) == p.OkReply(id=2) and worker.call(refused) == p.OkReply(id=2)
+        stats = sched.call(p.Stats(id=3)).stats
+        assert stats["engines"] == [
+            {"engine_id": "e1", "role": "scheduler", "active": True, "reason": ""},
+            {"engine_id": "e1", "role": "worker", "active": False, "reason": "KV layout refused"},
+        ]
+        assert stats["calls"]["report"] == 2
+        # A later report of the connection replaces its earlier one.
+        assert worker.call(p.Report(id=4, engine_id="e1", role="worker", active=True)) == p.OkReply(id=4)
+        assert [e["active"] for e in sched.call(p.Stats(id=5)).stats["engines"]] == [True, True]
+        worker.close()
+        remaining = svc.wait_for(lambda: len(svc.service.stats()["engines"]) == 1)
+        assert remaining and svc.call(svc.service.engines) == [
+            {"engine_id": "e1", "role": "scheduler", "active": True, "reason": ""}
+        ]
+        sched.close()
+        assert svc.wait_for(lambda: svc.service.engines() == [])
+
+
 def test_commit_checks_instance_and_reservation(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)

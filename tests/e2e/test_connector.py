@@ -53,6 +53,8 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
             prom_tiers = {
                 m.labels.get("tier"): m.value for m in llm.get_metrics() if m.name == "vllm:kvtier_hit_tokens"
             }
+            prom_active = metric(llm, "vllm:kvtier_active")
+            engines = svc.stats()["engines"]  # the connectors' reports, while they are connected
         hits = svc.hit_tokens()
     assert_same_outputs(baseline["follow_ups"], got)
     # The second prompt shares 300 tokens: 4 full chunks of 64 were stored by the first and loaded.
@@ -63,6 +65,10 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
     assert work["unwaited_layer_loads"] == 0, "vLLM waited for every layer's loads before its attention"
     assert prom_loaded == work["loaded_tokens"]
     assert prom_tiers["cpu"] >= 4 * CHUNK and prom_tiers["disk"] == 0
+    # kvtier served this engine: its scheduler and worker said so to vLLM's metrics and the service.
+    assert prom_active == 1
+    assert sorted((e["role"], e["active"]) for e in engines) == [("scheduler", True), ("worker", True)]
+    assert len({e["engine_id"] for e in engines}) == 1
 
 
 def test_corrupted_staged_bytes_change_the_output(tiny_model: str, baseline, tmp_path: Path) -> None:
