@@ -31,15 +31,16 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check app storage connector tests bench docs
-	$(VENV)/bin/ruff format --check app storage connector tests bench docs
+	$(VENV)/bin/ruff check app storage connector runtime tests bench docs
+	$(VENV)/bin/ruff format --check app storage connector runtime tests bench docs
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 demo: install
-	$(PY) -m bench.demo
+	$(PY) -m kvtier.bench.demo
 
 bench: install
-	$(PY) -m bench.all
+	$(PY) -m kvtier.bench.all
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -15,8 +15,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.metrics import build_registry
-from app.service import Service
+from kvtier.app.metrics import build_registry
+from kvtier.app.service import Service
 
 log = logging.getLogger("kvtier.admin")
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import _base as futures_base
 from typing import Any, Protocol
 
-from app import protocol as p
+from kvtier.app import protocol as p
 
 RECV_BYTES = 1 << 18
 PENDING = futures_base.PENDING

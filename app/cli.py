@@ -13,15 +13,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from app.settings import KVTierSettings, SettingsError, describe, load_settings_with_sources
+from kvtier.app.settings import KVTierSettings, SettingsError, describe, load_settings_with_sources
 
 # Benchmarks: name -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`
 # and is imported only when run. The connector's benchmark registers itself here under "connector".
 BENCHES: dict[str, tuple[str, str]] = {
-    "storage": ("bench.storage", "tier throughput against memcpy, file I/O and redis-py"),
-    "service": ("bench.service", "service round trips against a bare unix-socket echo"),
-    "connector": ("bench.connector", "TTFT with kvtier hits against recompute"),
-    "gpu": ("bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
+    "storage": ("kvtier.bench.storage", "tier throughput against memcpy, file I/O and redis-py"),
+    "service": ("kvtier.bench.service", "service round trips against a bare unix-socket echo"),
+    "connector": ("kvtier.bench.connector", "TTFT with kvtier hits against recompute"),
+    "gpu": ("kvtier.bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
 }
 
 
@@ -50,8 +50,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from app.address import parse_url
-    from app.server import ServeError, check_bind, options_from_args, serve
+    from kvtier.app.address import parse_url
+    from kvtier.app.server import ServeError, check_bind, options_from_args, serve
 
     settings = _settings()
     if settings is None:
@@ -66,8 +66,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from app.address import resolve_url
-    from app.client import ServiceClient, ServiceError
+    from kvtier.app.address import resolve_url
+    from kvtier.app.client import ServiceClient, ServiceError
 
     settings = _settings()
     if settings is None:
@@ -152,7 +152,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    from app.server import add_serve_arguments
+    from kvtier.app.server import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog="kvtier", description="KV-cache tiering service and tools for vLLM."

@@ -47,11 +47,10 @@ from typing import Any
 
 import msgspec
 
-from app import protocol as p
-from app.address import Address, parse_url
-from app.affinity import engine_cpus, run_on
-from app.channel import FINISHED, PENDING, Call, Channel, fail, fail_calls, failed
-from app.client_types import (
+from kvtier.app import protocol as p
+from kvtier.app.address import Address, parse_url
+from kvtier.app.channel import FINISHED, PENDING, Call, Channel, fail, fail_calls, failed
+from kvtier.app.client_types import (
     CONVERT,
     NO_REPLY,
     AuthFailed,
@@ -71,8 +70,9 @@ from app.client_types import (
     StaleInstance,
     remote_error,
 )
-from app.loops import new_event_loop
-from storage.base import ArenaInfo, NamespaceSpec, SlotRef, Tier
+from kvtier.runtime.affinity import engine_cpus, run_on
+from kvtier.runtime.event_loop import new_event_loop
+from kvtier.storage.base import ArenaInfo, NamespaceSpec, SlotRef, Tier
 
 __all__ = [
     "AuthFailed",

@@ -1,8 +1,8 @@
-"""What kvtier's client returns and raises, and its reconnect policies (re-exported by app.client).
+"""What kvtier's client returns and raises, and its reconnect policies (re-exported by kvtier.app.client).
 
 Replies arrive with their slots already decoded as ``SlotRef`` objects, except a lookup's, which
 come as offsets and lengths and are made into SlotRefs on access (``SlotList``); the conversion
-functions below only wrap them, on whichever thread read the reply (see app.client).
+functions below only wrap them, on whichever thread read the reply (see kvtier.app.client).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from app import protocol as p
-from storage.base import ArenaInfo, LookupResult, SlotList, SlotRef, StageResult
+from kvtier.app import protocol as p
+from kvtier.storage.base import ArenaInfo, LookupResult, SlotList, SlotRef, StageResult
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -3,7 +3,7 @@
 With ``service_url`` empty, every kvtier process of an engine (scheduler and workers) calls
 ``ensure_service(settings, engine_id)``. All of them derive the same socket path from the engine id;
 a file lock (``fcntl.flock``) lets exactly one of them find the socket dead and start
-``python -m app.server``, while the others wait on the lock and then find it alive.
+``python -m kvtier.app.server``, while the others wait on the lock and then find it alive.
 
 Who owns what: the spawned service owns its socket, arena and state file and removes them when it
 stops. It detaches from the spawner once it listens (vLLM SIGKILLs its processes' descendants at
@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from app import protocol as p
-from app.address import MAX_UNIX_PATH, runtime_dir
-from app.affinity import engine_cpus, format_cpus
-from app.client import ServiceClient
-from app.settings import ENV_PREFIX, KVTierSettings
+from kvtier.app import protocol as p
+from kvtier.app.address import MAX_UNIX_PATH, runtime_dir
+from kvtier.app.client import ServiceClient
+from kvtier.app.settings import ENV_PREFIX, KVTierSettings
+from kvtier.runtime.affinity import engine_cpus, format_cpus
 
 log = logging.getLogger("kvtier.embedded")
 
@@ -169,7 +169,7 @@ def _maybe_service(pid: int) -> bool:
     except OSError:
         return True
     # A process that is exiting (kill -9 in progress) has an empty cmdline but still holds its locks.
-    return not cmdline or b"app.server" in cmdline
+    return not cmdline or b"kvtier.app.server" in cmdline
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
@@ -240,7 +240,7 @@ def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Pope
     cmd = [
         sys.executable,
         "-m",
-        "app.server",
+        "kvtier.app.server",
         "--url",
         f"unix://{sock}",
         "--parent-pid",

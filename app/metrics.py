@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from storage.base import StoreStats, Tier
+from kvtier.storage.base import StoreStats, Tier
 
 LATENCY_BUCKETS = (
     50e-6,

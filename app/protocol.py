@@ -16,13 +16,13 @@ from typing import Annotated, Final, TypeVar
 
 import msgspec
 
-from storage.base import NamespaceSpec, SlotRef, Tier
+from kvtier.storage.base import NamespaceSpec, SlotRef, Tier
 
 # 2: LookupReply.tiers may be one Tier for all hits. 3: Release.reply, so a release the caller never
 # waits for (every release of the connector) costs no reply frame, nor its write and read.
 # 4: Lookup.replaces (a new lookup ends the request's previous lease in the same call), and
 # LookupReply carries slot offsets and their one length instead of one [offset, length] per hit.
-# 5: LookupReply.offsets are packed into bytes (storage.base.SlotList.packed).
+# 5: LookupReply.offsets are packed into bytes (kvtier.storage.base.SlotList.packed).
 # 6: Report (a connector says whether its side of an engine serves; Stats lists it under engines).
 PROTOCOL_VERSION: Final = 6
 HEADER = struct.Struct(">I")
@@ -195,7 +195,7 @@ class LookupReply(_Msg, tag="lookup_ok"):
     ``tiers`` is a single Tier when every hit is in that tier (the usual answer: one small int on
     the wire instead of one per chunk, see one_value); receivers expand it to num_hit entries.
     ``offsets`` holds one little-endian int64 per hit, its slot's offset, or -1 for a lower-tier
-    hit, which has no slot (storage.base.SlotList.packed); ``lengths`` is the slots' one length
+    hit, which has no slot (kvtier.storage.base.SlotList.packed); ``lengths`` is the slots' one length
     when all are equal, as the slots of one namespace are, or one per hit. One bytes field
     decodes ten times faster than 64 ints, and a client that only counts the hits never unpacks
     it.

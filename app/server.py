@@ -1,8 +1,8 @@
-"""The kvtier service process: `kvtier serve` and `python -m app.server` (the embedded child).
+"""The kvtier service process: `kvtier serve` and `python -m kvtier.app.server` (the embedded child).
 
 Who owns what: ``run_service`` owns the store, the listening socket (and its file), the admin server
 and the state file, and releases each of them on every path: SIGTERM/SIGINT, a parent that went away
-(embedded mode), or a failure while starting. Request handling lives in ``app.service``.
+(embedded mode), or a failure while starting. Request handling lives in ``kvtier.app.service``.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.address import Address, parse_url, resolve_url
-from app.affinity import parse_cpus, run_on
-from app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
-from app.logs import secrets_of, setup_logging
-from app.loops import new_event_loop
-from app.service import Connection, Service
-from app.settings import KVTierSettings, SettingsError, load_settings
-from storage.base import StorageError, StoreAPI
+from kvtier.app.address import Address, parse_url, resolve_url
+from kvtier.app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
+from kvtier.app.logs import secrets_of, setup_logging
+from kvtier.app.service import Connection, Service
+from kvtier.app.settings import KVTierSettings, SettingsError, load_settings
+from kvtier.runtime.affinity import parse_cpus, run_on
+from kvtier.runtime.event_loop import new_event_loop
+from kvtier.storage.base import StorageError, StoreAPI
 
 if TYPE_CHECKING:
-    from app.admin import AdminServer
+    from kvtier.app.admin import AdminServer
 
 log = logging.getLogger("kvtier.server")
 
@@ -59,9 +59,10 @@ class ServeOptions:
 
 
 async def _default_store(settings: KVTierSettings) -> StoreAPI:
-    from storage.store import build_store  # imported late: storage pulls in the tier clients
+    from kvtier.app.settings import storage_config
+    from kvtier.storage.store import build_store  # imported late: storage pulls in the tier clients
 
-    return await build_store(settings)
+    return await build_store(storage_config(settings))
 
 
 def check_bind(address: Address, settings: KVTierSettings) -> None:
@@ -221,7 +222,7 @@ async def run_service(
 async def _start_admin(service: Service, settings: KVTierSettings, embedded: bool) -> AdminServer | None:
     """The admin HTTP server; in embedded mode a taken port only costs the admin endpoints, since
     every engine on the node would want the same configured port."""
-    from app.admin import AdminServer
+    from kvtier.app.admin import AdminServer
 
     admin = AdminServer(service, settings.admin_host, settings.admin_port)
     try:
@@ -334,7 +335,7 @@ def serve(settings: KVTierSettings, options: ServeOptions) -> int:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options shared by `kvtier serve` and `python -m app.server`."""
+    """The options shared by `kvtier serve` and `python -m kvtier.app.server`."""
     parser.add_argument("--url", help="listen here instead of service_url (unix:///path, tcp://h:p)")
     parser.add_argument(
         "--drain-timeout",
@@ -362,8 +363,8 @@ def options_from_args(args: argparse.Namespace, settings: KVTierSettings) -> Ser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m app.server`: the process embedded mode spawns (settings come from KVTIER_*)."""
-    parser = argparse.ArgumentParser(prog="python -m app.server", description="Run a kvtier service.")
+    """`python -m kvtier.app.server`: the process embedded mode spawns (settings come from KVTIER_*)."""
+    parser = argparse.ArgumentParser(prog="python -m kvtier.app.server", description="Run a kvtier service.")
     add_serve_arguments(parser)
     parser.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--state-file", default="", help=argparse.SUPPRESS)

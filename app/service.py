@@ -23,9 +23,9 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any, cast
 
-from app import protocol as p
-from app.metrics import ServiceMetrics, stats_dict
-from storage.base import (
+from kvtier.app import protocol as p
+from kvtier.app.metrics import ServiceMetrics, stats_dict
+from kvtier.storage.base import (
     ArenaFullError,
     ImmediateStoreAPI,
     LookupResult,

@@ -11,11 +11,13 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ByteSize, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvtier.storage.config import DiskConfig, RedisConfig, StorageConfig, StoreConfig, redact_url
 
 ENV_PREFIX = "KVTIER_"
 CONFIG_FILE_ENV = "KVTIER_CONFIG_FILE"
@@ -156,17 +158,28 @@ class KVTierSettings(BaseSettings):
 FIELD_NAMES: frozenset[str] = frozenset(KVTierSettings.model_fields)
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***'."""
-    if not url:
-        return url
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+def storage_config(settings: KVTierSettings) -> StorageConfig:
+    """The storage layer's frozen config from the settings (storage never reads the settings model)."""
+    disk = DiskConfig(settings.disk_path, int(settings.disk_size), settings.disk_fsync)
+    redis = RedisConfig(
+        url=settings.redis_url,
+        cluster=settings.redis_is_cluster,
+        ttl=settings.redis_ttl,
+        timeout=settings.redis_timeout,
+        pool_size=settings.redis_pool_size,
+        breaker_period=settings.breaker_period,
+    )
+    return StorageConfig(
+        shm_dir=settings.shm_dir,
+        cpu_size=int(settings.cpu_size),
+        store=StoreConfig(
+            lease_ttl=settings.lease_ttl,
+            write_policy=settings.write_policy,
+            write_queue_size=settings.write_queue_size,
+        ),
+        disk=disk if settings.disk_path else None,
+        redis=redis if settings.redis_url else None,
+    )
 
 
 def display_value(name: str, value: Any) -> Any:

@@ -57,7 +57,7 @@ def _quiet(fn: Any, *args: Any) -> Any:
 
 def run_all(skip_ttft: bool = False) -> dict[str, Any]:
     """Run the storage, service, connector and GPU copy benchmarks; return {section: figures}."""
-    from bench import connector, gpu_copy, service, storage
+    from kvtier.bench import connector, gpu_copy, service, storage
 
     results: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print("storage ...", flush=True)
@@ -85,8 +85,8 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `make bench` / `python -m bench.all`."""
-    parser = argparse.ArgumentParser(prog="python -m bench.all", description=__doc__)
+    """Entry point of `make bench` / `python -m kvtier.bench.all`."""
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.all", description=__doc__)
     parser.add_argument("--skip-ttft", action="store_true", help="skip the TTFT part (slow)")
     parser.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
     args = parser.parse_args(argv)

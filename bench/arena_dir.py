@@ -15,8 +15,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from app.settings import KVTierSettings
-from storage.mounts import MEMORY_FILESYSTEMS, filesystem_type, free_bytes
+from kvtier.app.settings import KVTierSettings
+from kvtier.runtime.mounts import MEMORY_FILESYSTEMS, filesystem_type, free_bytes
 
 SHM_DIR = Path(KVTierSettings.model_fields["shm_dir"].default)
 MARGIN_BYTES = 64 << 20  # room left for the other tenants of the tmpfs

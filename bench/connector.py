@@ -71,9 +71,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.arena_dir import arena_dir
-from bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
-from bench.engine_proc import (
+from kvtier.bench.arena_dir import arena_dir
+from kvtier.bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
+from kvtier.bench.engine_proc import (
     EngineProcess,
     Sample,
     engine_clock,
@@ -83,7 +83,7 @@ from bench.engine_proc import (
     phase_ms,
     time_prompt,
 )
-from bench.phases import SCHEDULER_HOOKS, PhaseClock
+from kvtier.bench.phases import SCHEDULER_HOOKS, PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
 ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
@@ -126,8 +126,8 @@ def bench_copy(repeat: int = 7) -> dict[str, float]:
 
     import torch
 
-    from app.affinity import engine_cpus
-    from connector.copy import BlockCopier
+    from kvtier.connector.copy import BlockCopier
+    from kvtier.runtime.affinity import engine_cpus
 
     layers, num_blocks, bpc = 8, 512, 8  # BENCH model: 8 layers, 64 KiB pages at block size 32
     kv = [torch.randn(num_blocks, 8, 32, 128).to(torch.bfloat16) for _ in range(layers)]
@@ -188,7 +188,7 @@ def _off_the_model_core() -> Callable[[], None]:
     Once an in-process engine has run, vLLM has bound this thread to the model's core; a service or
     Redis started from here would inherit that, which no deployment does (see app/affinity.py).
     """
-    from app.affinity import engine_cpus, run_on
+    from kvtier.runtime.affinity import engine_cpus, run_on
 
     cpus = engine_cpus()
 
@@ -200,7 +200,7 @@ def _off_the_model_core() -> Callable[[], None]:
 
 @contextlib.contextmanager
 def _service(tmp: Path, **settings: Any) -> Iterator[str]:
-    """A standalone kvtier service (`python -m app.server`) on a unix socket, its arena on tmpfs."""
+    """A standalone kvtier service (`python -m kvtier.app.server`) on a unix socket, its arena on tmpfs."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "kvtier.sock"
     with arena_dir(tmp, ARENA_BYTES) as shm:
@@ -209,7 +209,7 @@ def _service(tmp: Path, **settings: Any) -> Iterator[str]:
         env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
         with open(tmp / "service.log", "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "app.server", "--url", f"unix://{sock}"],
+                [sys.executable, "-m", "kvtier.app.server", "--url", f"unix://{sock}"],
                 env=env,
                 stdout=log,
                 stderr=log,
@@ -237,7 +237,7 @@ def _redis(tmp: Path) -> Iterator[str | None]:
     if binary is None:
         yield None
         return
-    from bench.demo import free_port
+    from kvtier.bench.demo import free_port
 
     port = free_port()
     proc = subprocess.Popen(
@@ -269,7 +269,7 @@ def _redis(tmp: Path) -> Iterator[str | None]:
 def _kv(url: str, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "connector",
+        "kv_connector_module_path": "kvtier.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"service_url": url, **extra},
@@ -390,7 +390,7 @@ def warm_up_prompts(engine: dict[str, Any], prompt_tokens: int) -> int:
     took 160-350 ms for a prompt that both ran in 155-165 ms after their first ~10 prompts; timed
     from the start, two engines with identical settings differed by up to 1.7x.
     """
-    from bench.models import BENCH
+    from kvtier.bench.models import BENCH
 
     return int(engine["kv_cache_memory_bytes"]) // (prompt_tokens * BENCH.kv_bytes_per_token) + 1
 
@@ -419,8 +419,8 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     """TTFT of fresh prompts without kvtier, with kvtier (a miss: looked up, computed, saved) and
     with kvtier bypassed, on engines side by side; every sample starts once the previous one's
     background work (the save copy, the service's disk writes) is done, whatever its case."""
-    from app.affinity import engine_cpus
-    from app.client import ServiceClient
+    from kvtier.app.client import ServiceClient
+    from kvtier.runtime.affinity import engine_cpus
     from tests.e2e.harness import make_prompt
 
     cpus = engine_cpus()  # not the one core an in-process engine may have bound this thread to
@@ -528,10 +528,10 @@ def bench_ttft(
     The prompt is whole chunks plus one token, so a full hit leaves exactly one token to compute, as
     the floor assumes.
     """
-    from app.client import ServiceClient
-    from bench.models import BENCH
-    from connector.planning import Geometry, external_tokens
-    from storage.base import Tier
+    from kvtier.app.client import ServiceClient
+    from kvtier.bench.models import BENCH
+    from kvtier.connector.planning import Geometry, external_tokens
+    from kvtier.storage.base import Tier
     from tests.e2e.harness import generate_each, make_prompt, running_engine
 
     engine = dict(enable_prefix_caching=False, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
@@ -682,7 +682,7 @@ def bench_hit_over_prefix_hit(
     Rounds of: vLLM hits of every prompt (its cache holds them), its cache reset, kvtier CPU hits of
     every prompt (which vLLM caches again). Medians of single samples, in seconds.
     """
-    from app.client import ServiceClient
+    from kvtier.app.client import ServiceClient
     from tests.e2e.harness import generate_each, running_engine
 
     vllm_hits: list[float] = []
@@ -730,7 +730,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # vLLM logs to stdout unless told otherwise; --json promises one JSON object there.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from bench.models import BENCH, TINY, build_model
+    from kvtier.bench.models import BENCH, TINY, build_model
 
     result: dict[str, Any] = {"copy": bench_copy()}
     with (
@@ -758,7 +758,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python -m bench.connector` and `kvtier bench connector`."""
+    """Entry point for `python -m kvtier.bench.connector` and `kvtier bench connector`."""
     run(argv)
     return 0
 

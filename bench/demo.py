@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.arena_dir import arena_dir
-from bench.models import BENCH, WORDS, build_model
+from kvtier.bench.arena_dir import arena_dir
+from kvtier.bench.models import BENCH, WORDS, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0
@@ -231,7 +231,7 @@ def run(rounds: int = 5, max_tokens: int = 24) -> int:
         admin = free_port()
         kv = {
             "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "connector",
+            "kv_connector_module_path": "kvtier.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
@@ -303,7 +303,7 @@ def _report(table: list[Round], restart: Round) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.demo", description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ Each sample also says how long the model's forward took and how long kvtier's ho
 (bench/phases.py), so a gap between the two engines can be told apart: kvtier's own work on the
 prompt's path, or the same forward running slower in the other process. The child takes its samples
 with ``engine_clock`` and ``time_prompt``, which time an engine running in the calling process;
-bench.connector calls them on its in-process engines too. ``phase_ms`` and ``hook_ms`` take medians.
+kvtier.bench.connector calls them on its in-process engines too. ``phase_ms`` and ``hook_ms`` take medians.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
-from bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock, model_runner
+from kvtier.bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock, model_runner
 
 # A start loads vLLM and builds the engine; several minutes means it is stuck.
 START_TIMEOUT_S = 600.0
@@ -101,7 +101,7 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
     """kvtier's scheduler side answers "nothing to load, nothing to save" while inside: the engine
     keeps its connector configured, so only kvtier's own work is left out. No lookup is sent either:
     its answer would go unread (and a hit's lease held until it expired)."""
-    from connector.metadata import KVTierMetadata
+    from kvtier.connector.metadata import KVTierMetadata
     from tests.e2e.introspect import scheduler_connector
 
     conn = scheduler_connector(llm)
@@ -161,7 +161,7 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
     """The child: start the engine, then answer ("ttft", prompt, bypass) with a Sample until None."""
     try:
         os.dup2(2, 1)  # vLLM logs to stdout: keep the parent's stdout (its --json output) clean
-        from app.affinity import run_on
+        from kvtier.runtime.affinity import run_on
 
         run_on(cpus)  # the parent may already be bound to one core by an in-process engine
         from tests.e2e.harness import generate, make_prompt, running_engine

@@ -1,4 +1,4 @@
-"""Benchmark of the kvtier service: `kvtier bench service [--json]` or `python -m bench.service`.
+"""Benchmark of the kvtier service: `kvtier bench service [--json]` or `python -m kvtier.bench.service`.
 
 Round trips of a 64-chunk ``lookup`` (all hits) and of a 64-chunk ``reserve`` + ``commit``, made by 8
 client processes in parallel through ``ServiceClient`` (what the connector uses), each as a ratio to a
@@ -76,7 +76,7 @@ class _EchoServer(asyncio.Protocol):
 
 
 def _echo_server(path: str) -> None:
-    from app.loops import new_event_loop
+    from kvtier.runtime.event_loop import new_event_loop
 
     loop = new_event_loop()
     server = loop.run_until_complete(loop.create_unix_server(_EchoServer, path))
@@ -102,8 +102,8 @@ class _EchoClient(asyncio.Protocol):
 
 def _frame_sizes() -> dict[str, int]:
     """Bytes on the wire of the requests the service clients send."""
-    from app import protocol as p
-    from storage.base import SlotRef
+    from kvtier.app import protocol as p
+    from kvtier.storage.base import SlotRef
 
     enc = p.FrameEncoder()
     hashes = [os.urandom(HASH_BYTES) for _ in range(CHUNKS)]
@@ -123,7 +123,7 @@ PHASES = ("lookup", "lookup_fresh", "commit", "health")
 
 
 def _echo_run(path: str, plan: Plan, barrier: Any, out: Any) -> None:
-    from app.loops import new_event_loop
+    from kvtier.runtime.event_loop import new_event_loop
 
     sizes = _frame_sizes()
     loop = new_event_loop()
@@ -168,8 +168,8 @@ def _echo_run(path: str, plan: Plan, barrier: Any, out: Any) -> None:
 
 # ------------------------------------------------------------------------------ service clients
 def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
-    from app.client import ServiceClient
-    from storage.base import NamespaceSpec
+    from kvtier.app.client import ServiceClient
+    from kvtier.storage.base import NamespaceSpec
 
     spec = NamespaceSpec(**SPEC)  # type: ignore[arg-type]
     seq = itertools.count()
@@ -332,7 +332,7 @@ def _merge(results: list[Any], phase: str) -> list[float]:
 
 
 def _service_seconds(url: str) -> dict[str, Any]:
-    from app.client import ServiceClient
+    from kvtier.app.client import ServiceClient
 
     with ServiceClient(url) as client:
         stats: dict[str, Any] = client.stats().result(30)
@@ -343,7 +343,7 @@ def _start_service(url: str, cpu_size: str) -> subprocess.Popen[bytes]:
     # The arena goes where the settings say (default /dev/shm): on tmpfs it counts as RssShmem.
     env = dict(os.environ, KVTIER_CPU_SIZE=cpu_size, KVTIER_LOG_LEVEL="WARNING")
     env.pop("KVTIER_SERVICE_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "app.server", "--url", url], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.server", "--url", url], env=env)
     _wait_socket(url.removeprefix("unix://"), proc)
     return proc
 

@@ -1,4 +1,4 @@
-"""Storage tier benchmark: `kvtier bench storage [--json]` or `python -m bench.storage [--json]`.
+"""Storage tier benchmark: `kvtier bench storage [--json]` or `python -m kvtier.bench.storage [--json]`.
 
 For chunk sizes of 2, 8 and 32 MiB it measures, in one run and interleaved repetition by repetition
 (best of ``--repeats``, default 5, since machines are shared and noisy):
@@ -44,12 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from app.loops import new_event_loop
-from app.settings import KVTierSettings, load_settings
-from storage.base import ChunkKey
-from storage.tiers.disk import DiskTier
-from storage.tiers.redis import RedisTier
-from storage.tiers.threads import IOThreads
+from kvtier.app.settings import KVTierSettings, load_settings, storage_config
+from kvtier.runtime.event_loop import new_event_loop
+from kvtier.runtime.handoff import IOThreads
+from kvtier.storage.base import ChunkKey
+from kvtier.storage.config import DiskConfig, RedisConfig
+from kvtier.storage.tiers.disk import DiskTier
+from kvtier.storage.tiers.redis import RedisTier
 
 MIB = 1 << 20
 SIZES_MIB = (2, 8, 32)
@@ -241,7 +242,7 @@ async def bench_redis(
     """Redis tier put/get (one connection, and parallel) against pipelined redis-py SET/GET."""
     import redis
 
-    from storage import codec
+    from kvtier.storage import codec
 
     size = payload.nbytes
     n = max(4, ROUND_BYTES // size)
@@ -318,8 +319,8 @@ async def bench_arena(
     reps: int,
 ) -> dict[str, Any]:
     """Staging into pre-touched arena slots against a numpy copy of the same bytes into them."""
-    from storage.arena import align_up
-    from storage.base import SlotRef
+    from kvtier.storage.arena import align_up
+    from kvtier.storage.base import SlotRef
 
     size = payload.nbytes
     n = len(disk_keys)
@@ -371,6 +372,13 @@ def _worst(rows: list[dict[str, Any]], *names: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def _redis_config(settings: KVTierSettings, update: dict[str, Any], **more: Any) -> RedisConfig:
+    """The Redis tier's config from the settings with some of them replaced."""
+    config = storage_config(settings.model_copy(update={**update, **more})).redis
+    assert config is not None
+    return config
+
+
 def _redis_url(settings: KVTierSettings, want: bool) -> Iterator[tuple[str | None, str]]:
     if not want:
         yield None, "disabled by --no-redis"
@@ -382,13 +390,13 @@ def _redis_url(settings: KVTierSettings, want: bool) -> Iterator[tuple[str | Non
 
 
 async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[str, Any]:
-    from storage.arena import Arena
+    from kvtier.storage.arena import Arena
 
     sizes = [int(s) * MIB for s in args.sizes]
     base = args.disk_path or settings.disk_path or None
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=base)
     ref_dir = tempfile.mkdtemp(prefix="kvtier-bench-ref-", dir=base)
-    disk = DiskTier(settings.model_copy(update={"disk_path": root, "disk_size": 64 << 30}))
+    disk = DiskTier(DiskConfig(root, 64 << 30))
     await disk.start()
     arena = Arena.create(settings.shm_dir, min(8, ROUND_BYTES // max(sizes)) * max(sizes))
     arena.wait_prefaulted(60)
@@ -403,8 +411,8 @@ async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[s
                 # stall of over a second (seen on this VM), which the tier's 1 s default turns into
                 # a counted miss.
                 timed = {"redis_url": url, "redis_timeout": 30.0}
-                one = RedisTier(settings.model_copy(update={**timed, "redis_pool_size": 1}))
-                many = RedisTier(settings.model_copy(update=timed))
+                one = RedisTier(_redis_config(settings, timed, redis_pool_size=1))
+                many = RedisTier(_redis_config(settings, timed))
                 await one.start()
                 await many.start()
             try:

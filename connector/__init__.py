@@ -1,5 +1,5 @@
 """The vLLM KV connector of kvtier: ``{"kv_connector": "KVTierConnector", "kv_connector_module_path":
-"connector"}``. Only this package imports vLLM and torch; they load when the connector class is first
+"kvtier.connector"}``. Only this package imports vLLM and torch; they load when the connector class is first
 used, so the pure planning modules import without them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ __all__ = ["KVTierConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVTierConnector":
-        from connector.connector import KVTierConnector
+        from kvtier.connector.connector import KVTierConnector
 
         return KVTierConnector
     raise AttributeError(name)

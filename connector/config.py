@@ -6,10 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from app.settings import KVTierSettings, SettingsError, load_settings
-from connector.planning import Geometry
-from storage.base import NamespaceSpec
-from storage.keys import namespace_id
+from kvtier.app.settings import KVTierSettings, SettingsError, load_settings
+from kvtier.connector.planning import Geometry
+from kvtier.storage.base import NamespaceSpec
+from kvtier.storage.keys import namespace_id
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 
-from app.client import ServiceClient
-from app.settings import KVTierSettings, load_settings
-from connector.config import ConnectorConfig, UnsupportedEngine, build_config
-from connector.metadata import KVTierMetadata
-from connector.scheduler import SchedulerSide
-from connector.stats import IDLE_SIDES, STATE_KEYS, SideState, merge_counts
-from connector.worker import WorkerSide
-from storage.base import Tier
+from kvtier.app.client import ServiceClient
+from kvtier.app.settings import KVTierSettings, load_settings
+from kvtier.connector.config import ConnectorConfig, UnsupportedEngine, build_config
+from kvtier.connector.metadata import KVTierMetadata
+from kvtier.connector.scheduler import SchedulerSide
+from kvtier.connector.stats import IDLE_SIDES, STATE_KEYS, SideState, merge_counts
+from kvtier.connector.worker import WorkerSide
+from kvtier.storage.base import Tier
 
 # Under vLLM's "vllm" logger: vLLM's handler, format and level, which a logger of our own lacks.
 log = init_logger("vllm.kvtier.connector")
@@ -84,7 +84,7 @@ def _hit_source(tier: Tier) -> Any:
 
 
 def _connect(cfg: ConnectorConfig) -> ServiceClient:
-    from app.embedded import connect
+    from kvtier.app.embedded import connect
 
     # service_url set: that service; empty: the engine's private service, restarted if it dies.
     return connect(cfg.settings, cfg.engine_id, name="kvtier-client")
@@ -328,7 +328,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------------------------- both
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Counters since the last report, and this side's state (see connector.stats.SideState)."""
+        """Counters since the last report, and this side's state (see kvtier.connector.stats.SideState)."""
         side = self._worker or self._sched
         data = side.stats() if side is not None else {}
         serving = self._serving()
@@ -346,7 +346,7 @@ class KVTierConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> Any:
         """vLLM's /metrics gets kvtier's counters as ``vllm:kvtier_*``."""
-        from connector.prom import KVTierPromMetrics
+        from kvtier.connector.prom import KVTierPromMetrics
 
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -1,7 +1,7 @@
 """Block copies between vLLM's per-layer KV tensors and arena slots, as opaque bytes.
 
 A slot holds one chunk laid out ``[layer][block][page]``. A layer's page is the bytes of one block of
-that layer; where a layout splits it into several dense rows (planes, see ``connector.layout``), a
+that layer; where a layout splits it into several dense rows (planes, see ``kvtier.connector.layout``), a
 page is the concatenation of the block's rows in every plane.
 
 This module imports torch only (no vLLM), so the CUDA data path and its benchmark run where vLLM cannot.
@@ -11,7 +11,7 @@ no temporary. A chunk whose blocks are scattered over many runs goes in one gath
 indexed assignment per layer instead (see ``chunk_rows``). With ``helper_cpus`` a ``CopyThread``
 copies every second chunk of a step while the caller copies the others (numpy drops the GIL inside
 large copies), so ``save``/``load`` may return before their bytes are in place. On CUDA the arena is
-registered as pinned host memory and ``connector.copy_cuda`` moves chunks through a staging ring on
+registered as pinned host memory and ``kvtier.connector.copy_cuda`` moves chunks through a staging ring on
 streams of its own. Either way ``wait()`` is the fence.
 
 ``save_batch`` is the worker's save path: with a second CPU or on CUDA, a whole step's save copies run
@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from connector.block_ids import Run, block_runs, check_block_ids
-from connector.copy_thread import CopyThread
-from connector.layout import LayoutError, PageLayout, block_planes
-from storage.tiers.threads import TwoEnds
+from kvtier.connector.block_ids import Run, block_runs, check_block_ids
+from kvtier.connector.copy_thread import CopyThread
+from kvtier.connector.layout import LayoutError, PageLayout, block_planes
+from kvtier.runtime.handoff import TwoEnds
 
 if TYPE_CHECKING:
-    from connector.copy_cuda import CudaCopier
+    from kvtier.connector.copy_cuda import CudaCopier
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class BlockCopier:
         self._saver: CopyThread | None = None
         self._np_layers: list[list[np.ndarray]] = []
         if self.device.type == "cuda":
-            from connector.copy_cuda import CudaCopier, CudaLayoutError
+            from kvtier.connector.copy_cuda import CudaCopier, CudaLayoutError
 
             try:
                 self._gpu = CudaCopier(self.layers, blocks_per_chunk, num_blocks)

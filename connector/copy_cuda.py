@@ -6,7 +6,7 @@ launches. So a chunk moves in pieces (a range of layers, every block of the chun
 gathers a piece into a GPU staging buffer laid out as the slot is, and the copy engine moves the
 buffer to the slot in one cudaMemcpyAsync (loads: the same, reversed). Kernels run on one stream and
 DMAs on another, over a ring of staging buffers, so the copy engine does not wait for the kernels.
-Block ids that step by 1 or -1 (see ``connector.block_ids.block_runs``) go to the kernel as their
+Block ids that step by 1 or -1 (see ``kvtier.connector.block_ids.block_runs``) go to the kernel as their
 first id and step, with no upload.
 
 Saves and loads each have a lane of their own (two streams and a staging ring), so a hit's load never
@@ -16,7 +16,7 @@ events, so a waiting thread sleeps instead of spinning on a core for a whole for
 
 Who owns what: a ``CudaCopier`` owns its lanes (streams, staging ring, events); the caller
 (``BlockCopier``) fences with ``synchronize()``. The arena must be registered as pinned memory
-(``connector.pinning``), or the DMAs run from pageable memory, correct but slow.
+(``kvtier.connector.pinning``), or the DMAs run from pageable memory, correct but slow.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from connector.block_ids import block_runs, check_block_ids
-from connector.cuda_kernels import stage_blocks
+from kvtier.connector.block_ids import block_runs, check_block_ids
+from kvtier.connector.cuda_kernels import stage_blocks
 
 # Staging bytes per piece, and buffers in a lane's ring (one filling while the other is in the DMA).
 # 16 MiB pieces reach the plain cudaMemcpy's speed (docs/performance.md) and still split a large

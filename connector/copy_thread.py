@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.affinity import deprioritize, run_on
-from storage.tiers.threads import Lane
+from kvtier.runtime.affinity import deprioritize, run_on
+from kvtier.runtime.handoff import Lane
 
 
 class CopyError(RuntimeError):

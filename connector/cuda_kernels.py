@@ -1,6 +1,6 @@
 """The Triton kernel that moves whole KV blocks between vLLM's per-layer planes and a staging buffer.
 
-Imported only where CUDA is (``connector.copy_cuda``); vLLM's CUDA builds ship Triton.
+Imported only where CUDA is (``kvtier.connector.copy_cuda``); vLLM's CUDA builds ship Triton.
 """
 
 from __future__ import annotations

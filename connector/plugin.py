@@ -18,4 +18,4 @@ def register() -> None:
         return
     if CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {}):
         return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "connector", CONNECTOR_NAME)
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvtier.connector", CONNECTOR_NAME)

@@ -6,7 +6,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from connector.stats import reported_state
+from kvtier.connector.stats import reported_state
 
 ACTIVE = "vllm:kvtier_active"
 ACTIVE_DOC = (

@@ -16,18 +16,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.client import LookupReply, ServiceClient
-from connector.config import ConnectorConfig
-from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
-from connector.planning import (
+from kvtier.app.client import LookupReply, ServiceClient
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.planning import (
     chunk_block_ids,
     chunk_hashes,
     external_tokens,
     load_spans,
     save_range,
 )
-from connector.stats import SchedulerCounters, merge_counts
-from storage.base import Tier
+from kvtier.connector.stats import SchedulerCounters, merge_counts
+from kvtier.storage.base import Tier
 
 log = logging.getLogger(__name__)
 

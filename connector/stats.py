@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from storage.base import Tier
+from kvtier.storage.base import Tier
 
 
 class _Counts:

@@ -31,15 +31,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.affinity import engine_cpus
-from app.client import HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
-from connector.config import ConnectorConfig
-from connector.copy import BlockCopier, LayerLoads
-from connector.copy_thread import CopyError
-from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
-from connector.stats import WorkerCounters, merge_counts
-from connector.worker_arena import WorkerArena
-from storage.base import SlotRef
+from kvtier.app.client import HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.copy import BlockCopier, LayerLoads
+from kvtier.connector.copy_thread import CopyError
+from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.stats import WorkerCounters, merge_counts
+from kvtier.connector.worker_arena import WorkerArena
+from kvtier.runtime.affinity import engine_cpus
+from kvtier.storage.base import SlotRef
 
 log = logging.getLogger(__name__)
 

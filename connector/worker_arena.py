@@ -11,12 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 from typing import TYPE_CHECKING
 
-from connector.pinning import pin_host_buffer, unpin_host_buffer
-from storage.arena import ArenaMapping
-from storage.base import SlotRef
+from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
+from kvtier.storage.arena import ArenaMapping
+from kvtier.storage.base import SlotRef
 
 if TYPE_CHECKING:
-    from app.client import HelloReply
+    from kvtier.app.client import HelloReply
 
 
 def _pin(mapping: ArenaMapping) -> list[int]:

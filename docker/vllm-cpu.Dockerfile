@@ -36,7 +36,7 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu \
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/*.whl \
  && rm -rf /wheels \
- && python -c "import connector, app.settings; print('kvtier connector importable')"
+ && python -c "import kvtier.connector, kvtier.app.settings; print('kvtier connector importable')"
 
 # Same uid as the kvtier service image: the owner-only socket and arena files are shared with it.
 RUN groupadd --system --gid 10001 kvtier \

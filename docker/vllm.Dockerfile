@@ -22,7 +22,7 @@ FROM vllm/vllm-openai:v0.33.0
 COPY --from=build /wheels /wheels
 RUN python3 -m pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
- && python3 -c "import connector, app.settings; print('kvtier connector importable')"
+ && python3 -c "import kvtier.connector, kvtier.app.settings; print('kvtier connector importable')"
 
 # The connector registers itself through the vllm.general_plugins entry point "kvtier", so
 # {"kv_connector":"KVTierConnector"} works with or without kv_connector_module_path.

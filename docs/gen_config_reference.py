@@ -20,7 +20,7 @@ import annotated_types  # noqa: E402
 from pydantic import ByteSize, TypeAdapter  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
 
-from app.settings import (  # noqa: E402
+from kvtier.app.settings import (  # noqa: E402
     CONFIG_FILE_ENV,
     ENV_PREFIX,
     SECRET_FIELDS,

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
-from storage.mounts import MEMORY_FILESYSTEMS, filesystem_type, free_bytes
+from kvtier.runtime.mounts import MEMORY_FILESYSTEMS, filesystem_type, free_bytes
+from kvtier.storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from storage.base import BLOB_FORMAT_VERSION, BlobError, BlobFormatError, ChunkKey
-from storage.keys import key_echo
+from kvtier.storage.base import BLOB_FORMAT_VERSION, BlobError, BlobFormatError, ChunkKey
+from kvtier.storage.keys import key_echo
 
 # Anything exposing the buffer protocol as bytes (collections.abc.Buffer arrives in 3.12).
 Buffer = bytes | bytearray | memoryview

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 
-from storage.base import ChunkKey, NamespaceSpec
+from kvtier.storage.base import ChunkKey, NamespaceSpec
 
 NAMESPACE_HEX_CHARS = 16
 REDIS_PREFIX = "kvtier"

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from storage.base import ChunkKey, SlotList, Tier
+from kvtier.storage.base import ChunkKey, SlotList, Tier
 
 if TYPE_CHECKING:
-    from storage.tiers.cpu import CpuEntry
+    from kvtier.storage.tiers.cpu import CpuEntry
 
 Clock = Callable[[], float]
 

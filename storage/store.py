@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, cast
 
-from storage.arena import Arena, SlotAllocator
-from storage.base import (
+from kvtier.storage.arena import Arena, SlotAllocator
+from kvtier.storage.base import (
     NO_SLOT_PACKED,
     ArenaError,
     ArenaInfo,
@@ -52,13 +52,11 @@ from storage.base import (
     Tier,
     UnknownNamespaceError,
 )
-from storage.keys import chunk_keys, namespace_id
-from storage.leases import Lease, LeaseTable
-from storage.tiers.cpu import CpuEntry, CpuTier
-from storage.writeback import WriteBack
-
-if TYPE_CHECKING:
-    from app.settings import KVTierSettings
+from kvtier.storage.config import StorageConfig, StoreConfig
+from kvtier.storage.keys import chunk_keys, namespace_id
+from kvtier.storage.leases import Lease, LeaseTable
+from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
+from kvtier.storage.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +67,6 @@ _CPU = Tier.CPU  # an Enum member read through its class costs a Python-level lo
 # C-level getters for map() over tuples: no bytecode per chunk.
 _first = itemgetter(0)  # a reservation's key, a ChunkKey's namespace, a SlotRef's offset
 _second = itemgetter(1)  # a reservation's slot, a ChunkKey's prefix hash
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """The store's own knobs (a subset of KVTierSettings)."""
-
-    lease_ttl: float = 60.0
-    write_policy: Literal["through", "on_reuse"] = "through"
-    write_queue_size: int = 256
-    write_workers: int = 2
-
-    @classmethod
-    def from_settings(cls, settings: KVTierSettings) -> StoreConfig:
-        """The store's knobs from the service settings."""
-        return cls(
-            lease_ttl=settings.lease_ttl,
-            write_policy=settings.write_policy,
-            write_queue_size=settings.write_queue_size,
-        )
 
 
 _Reservation = tuple[ChunkKey, SlotRef]  # a plain tuple: zip() builds them in C, 64 at a time
@@ -748,22 +727,22 @@ def _chunk_keys(namespace: str, hashes: list[bytes]) -> list[ChunkKey]:
     return chunk_keys(namespace, hashes)
 
 
-async def build_store(settings: KVTierSettings, clock: Clock = time.monotonic) -> TieredStore:
-    """The store the settings describe: arena in shm_dir, disk and Redis tiers when configured."""
-    arena = Arena.create(settings.shm_dir, int(settings.cpu_size))
+async def build_store(config: StorageConfig, clock: Clock = time.monotonic) -> TieredStore:
+    """The store the config describes: arena in shm_dir, disk and Redis tiers when configured."""
+    arena = Arena.create(config.shm_dir, config.cpu_size)
     lower: list[Any] = []
     try:
-        if settings.disk_path:
-            from storage.tiers.disk import DiskTier
+        if config.disk is not None:
+            from kvtier.storage.tiers.disk import DiskTier
 
-            lower.append(DiskTier(settings))
+            lower.append(DiskTier(config.disk))
             await lower[-1].start()
-        if settings.redis_url:
-            from storage.tiers.redis import RedisTier
+        if config.redis is not None:
+            from kvtier.storage.tiers.redis import RedisTier
 
-            lower.append(RedisTier(settings))
+            lower.append(RedisTier(config.redis))
             await lower[-1].start()
-        return TieredStore(arena, lower, StoreConfig.from_settings(settings), clock)
+        return TieredStore(arena, lower, config.store, clock)
     except BaseException:
         for tier in lower:
             with contextlib.suppress(Exception):

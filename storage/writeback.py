@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from storage.base import ChunkKey, LowerTier, SlotRef
+from kvtier.storage.base import ChunkKey, LowerTier, SlotRef
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import cast
 
 import msgspec
 
-from storage.arena import SlotAllocator
-from storage.base import PACKED_OFFSET, ChunkKey, SlotRef, SlotStateError, Tier, TierStats
-from storage.eviction import LRUPolicy
+from kvtier.storage.arena import SlotAllocator
+from kvtier.storage.base import PACKED_OFFSET, ChunkKey, SlotRef, SlotStateError, Tier, TierStats
+from kvtier.storage.eviction import LRUPolicy
 
 
 # One slot's state: compared and hashed by identity, cheaply. A msgspec Struct, not a dataclass:

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from app.settings import KVTierSettings
-from storage import codec
-from storage.base import BlobError, BlobFormatError, ChunkKey, Tier, TierStats
-from storage.keys import disk_relpath, parse_disk_relpath
-from storage.tiers.pins import PinBook
-from storage.tiers.threads import Handoff, IOThreads, Job, TwoEnds, companion
+from kvtier.runtime.handoff import Handoff, IOThreads, Job, TwoEnds, companion
+from kvtier.storage import codec
+from kvtier.storage.base import BlobError, BlobFormatError, ChunkKey, Tier, TierStats
+from kvtier.storage.config import DiskConfig
+from kvtier.storage.keys import disk_relpath, parse_disk_relpath
+from kvtier.storage.tiers.pins import PinBook
 
 log = logging.getLogger("kvtier.disk")
 T = TypeVar("T")
@@ -170,13 +170,13 @@ class DiskTier:
 
     tier = Tier.DISK
 
-    def __init__(self, settings: KVTierSettings, io: DiskIO | None = None) -> None:
-        if not settings.disk_path:
-            raise ValueError("DiskTier needs settings.disk_path (KVTIER_DISK_PATH)")
-        self.root = os.path.abspath(settings.disk_path)
+    def __init__(self, config: DiskConfig, io: DiskIO | None = None) -> None:
+        if not config.path:
+            raise ValueError("DiskTier needs a directory (setting disk_path, KVTIER_DISK_PATH)")
+        self.root = os.path.abspath(config.path)
         self._prefix = os.path.join(self.root, "")  # root plus one separator, joined once
-        self.capacity = int(settings.disk_size)
-        self.fsync = settings.disk_fsync
+        self.capacity = config.capacity
+        self.fsync = config.fsync
         self.io = io or DiskIO()
         self._preallocate = True  # until the filesystem says it cannot
         self.last_scan = ScanReport()

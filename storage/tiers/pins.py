@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from storage.base import ChunkKey
+from kvtier.storage.base import ChunkKey
 
 
 class PinBook:

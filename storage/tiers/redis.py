@@ -5,7 +5,7 @@ Paths:
   sockets driven by worker threads that read replies straight into the caller's buffer (values over
   1 MiB as streamed GETRANGE slices, which spares the server a fresh buffer per reply) and send values
   without packing them (see redis_wire). EXISTS, UNLINK and everything else use redis.asyncio.
-- TLS (rediss://), Redis Cluster (redis+cluster://, rediss+cluster:// or settings.redis_cluster) and an
+- TLS (rediss://), Redis Cluster (redis+cluster://, rediss+cluster:// or the redis_cluster setting) and an
   injected client (tests: fakeredis) use redis.asyncio for everything; a cluster lookup is split into
   one pipeline per shard, run concurrently.
 
@@ -38,19 +38,19 @@ from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from app.settings import KVTierSettings, redact_url
-from storage import codec
-from storage.base import BlobError, ChunkKey, Tier, TierStats
-from storage.breaker import CircuitBreaker
-from storage.keys import REDIS_PREFIX, redis_key
-from storage.tiers.pins import PinBook
-from storage.tiers.redis_wire import (
+from kvtier.runtime.handoff import run_to_end, wait_done
+from kvtier.storage import codec
+from kvtier.storage.base import BlobError, ChunkKey, Tier, TierStats
+from kvtier.storage.breaker import CircuitBreaker
+from kvtier.storage.config import RedisConfig, redact_url
+from kvtier.storage.keys import REDIS_PREFIX, redis_key
+from kvtier.storage.tiers.pins import PinBook
+from kvtier.storage.tiers.redis_wire import (
     GetOutcome,
     RawConnection,
     RawEndpoint,
     ServerReplyError,
 )
-from storage.tiers.threads import run_to_end, wait_done
 
 log = logging.getLogger("kvtier.redis")
 T = TypeVar("T")
@@ -93,11 +93,11 @@ def failure_kind(exc: BaseException) -> tuple[str, bool]:
     return "connection", True
 
 
-def build_client(settings: KVTierSettings) -> RedisClient:
-    """The redis.asyncio client for settings: a cluster client or a blocking-pool client."""
+def build_client(config: RedisConfig) -> RedisClient:
+    """The redis.asyncio client for the config: a cluster client or a blocking-pool client."""
     common: dict[str, Any] = {
-        "socket_timeout": settings.redis_timeout,
-        "socket_connect_timeout": settings.redis_timeout,
+        "socket_timeout": config.timeout,
+        "socket_connect_timeout": config.timeout,
         # The breaker is the retry policy: a client that retries would multiply the timeout.
         "retry": Retry(NoBackoff(), 0),
         # No CLIENT SETINFO: it costs every new connection a round trip before its first command
@@ -105,16 +105,14 @@ def build_client(settings: KVTierSettings) -> RedisClient:
         "lib_name": None,
         "lib_version": None,
     }
-    max_conn = settings.redis_pool_size + _SPARE_CONNECTIONS
-    url = client_url(settings.redis_url)
-    if settings.redis_is_cluster:
+    max_conn = config.pool_size + _SPARE_CONNECTIONS
+    url = client_url(config.url)
+    if config.cluster:
         # The cluster client raises (rather than waits) when a node's pool is exhausted, which the
         # breaker would take for an outage: leave its per-node limit open; the tier's semaphore
         # bounds the large transfers and lookups take one connection per node each.
         return RedisCluster.from_url(url, **common)
-    pool = BlockingConnectionPool.from_url(
-        url, max_connections=max_conn, timeout=settings.redis_timeout, **common
-    )
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_conn, timeout=config.timeout, **common)
     return Redis(connection_pool=pool)
 
 
@@ -210,30 +208,28 @@ class RedisTier:
 
     def __init__(
         self,
-        settings: KVTierSettings,
+        config: RedisConfig,
         *,
         client: RedisClient | None = None,
         breaker: CircuitBreaker | None = None,
         fast_path: bool = True,
     ) -> None:
-        if not settings.redis_url and client is None:
-            raise ValueError("RedisTier needs settings.redis_url (KVTIER_REDIS_URL)")
-        self.url_for_logs = redact_url(settings.redis_url)
-        self.timeout = settings.redis_timeout
-        self.ttl = settings.redis_ttl
-        self.is_cluster = settings.redis_is_cluster
-        self.breaker = breaker or CircuitBreaker(settings.breaker_period)
+        if not config.url and client is None:
+            raise ValueError("RedisTier needs a server URL (setting redis_url, KVTIER_REDIS_URL)")
+        self.url_for_logs = redact_url(config.url)
+        self.timeout = config.timeout
+        self.ttl = config.ttl
+        self.is_cluster = config.cluster
+        self.breaker = breaker or CircuitBreaker(config.breaker_period)
         self._owns_client = client is None
-        self._client: RedisClient = client if client is not None else build_client(settings)
+        self._client: RedisClient = client if client is not None else build_client(config)
         endpoint = None
         if fast_path and client is None and not self.is_cluster:
-            endpoint = RawEndpoint.from_url(settings.redis_url)
+            endpoint = RawEndpoint.from_url(config.url)
         # Worker threads of the raw connections, and of checksums for the redis.asyncio path.
-        self._threads = ThreadPoolExecutor(settings.redis_pool_size, thread_name_prefix="kvtier-redis")
-        self._raw = (
-            RawPool(endpoint, settings.redis_pool_size, self.timeout, self._threads) if endpoint else None
-        )
-        self._slots = asyncio.Semaphore(settings.redis_pool_size)  # big transfers via redis.asyncio
+        self._threads = ThreadPoolExecutor(config.pool_size, thread_name_prefix="kvtier-redis")
+        self._raw = RawPool(endpoint, config.pool_size, self.timeout, self._threads) if endpoint else None
+        self._slots = asyncio.Semaphore(config.pool_size)  # big transfers via redis.asyncio
         self._book = PinBook()
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats()

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 from redis.asyncio.connection import parse_url
 
-from storage import codec
-from storage.base import BlobError, ChunkKey
+from kvtier.storage import codec
+from kvtier.storage.base import BlobError, ChunkKey
 
 _READ_BUFFER = 64 * 1024
 _LINE_FILL = 4096  # bytes asked for when a reply line is expected: any over-read is a tiny copy

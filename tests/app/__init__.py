@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app import protocol as p
-from app.loops import new_event_loop
-from app.server import ServeOptions, run_service
-from app.service import Service
-from app.settings import KVTierSettings, load_settings
-from storage.base import NamespaceSpec
+from kvtier.app import protocol as p
+from kvtier.app.server import ServeOptions, run_service
+from kvtier.app.service import Service
+from kvtier.app.settings import KVTierSettings, load_settings
+from kvtier.runtime.event_loop import new_event_loop
+from kvtier.storage.base import NamespaceSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = NamespaceSpec("test-model", "bfloat16", "NHD", 16, 64, 2, 256)  # 2 KiB chunks
@@ -220,4 +220,4 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
 
 def kvtier_cmd(*args: str) -> list[str]:
     """The kvtier CLI as a command line (the console script may not be installed)."""
-    return [sys.executable, "-m", "app.cli", *args]
+    return [sys.executable, "-m", "kvtier.app.cli", *args]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.client import ServiceClient
+from kvtier.app.client import ServiceClient
 from tests.app import SPEC, hashes, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app.affinity import NICE_STEPS, deprioritize, format_cpus, parse_cpus
-from app.embedded import paths_for
+from kvtier.app.embedded import paths_for
+from kvtier.runtime.affinity import NICE_STEPS, deprioritize, format_cpus, parse_cpus
 from tests.app import ROOT, python_env, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
@@ -20,8 +20,8 @@ from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_
 # starts the embedded service and a client from that thread; prints both threads' CPU sets.
 ENGINE = """
 import json, os, sys, threading
-from app.embedded import connect, paths_for
-from app.settings import load_settings
+from kvtier.app.embedded import connect, paths_for
+from kvtier.app.settings import load_settings
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 client = connect(load_settings(), sys.argv[1])
 client.wait_connected(10)

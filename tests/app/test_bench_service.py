@@ -1,4 +1,4 @@
-"""bench.service's clients call the service as the connector does: a new lease per lookup, which
+"""kvtier.bench.service's clients call the service as the connector does: a new lease per lookup, which
 either ends the previous one in the same call or is followed by its release with no answer asked for
 (of a lease on another prompt)."""
 
@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-import app.client
-from bench import service as bench
+import kvtier.app.client
+from kvtier.bench import service as bench
 from tests.app import thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 
-class _Recorder(app.client.ServiceClient):
+class _Recorder(kvtier.app.client.ServiceClient):
     """A ServiceClient that records the leases it looks up and releases."""
 
     calls: list[tuple[Any, ...]] = []
@@ -49,7 +49,7 @@ class _Recorder(app.client.ServiceClient):
 def test_each_measured_lookup_takes_a_new_lease_and_ends_the_last_without_an_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(app.client, "ServiceClient", _Recorder)
+    monkeypatch.setattr(kvtier.app.client, "ServiceClient", _Recorder)
     _Recorder.calls = []
     out: queue.Queue[Any] = queue.Queue()
     with thread_service(tmp_path, cpu_size="64MiB") as svc:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app import cli
-from app import protocol as p
+from kvtier.app import cli
+from kvtier.app import protocol as p
 from tests.app import ROOT, RawConn, kvtier_cmd, python_env, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 

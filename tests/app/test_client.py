@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from app import client as client_module
-from app import protocol as p
-from app.channel import Call, Channel
-from app.client import (
+from kvtier.app import client as client_module
+from kvtier.app import protocol as p
+from kvtier.app.channel import Call, Channel
+from kvtier.app.client import (
     CallTimeout,
     ClientClosed,
     ConstantBackoff,
@@ -29,9 +29,9 @@ from app.client import (
     ServiceUnavailable,
     StaleInstance,
 )
-from app.client_types import CONVERT
-from storage.base import LookupResult, SlotList, SlotRef, Tier
-from storage.keys import namespace_id
+from kvtier.app.client_types import CONVERT
+from kvtier.storage.base import LookupResult, SlotList, SlotRef, Tier
+from kvtier.storage.keys import namespace_id
 from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 

@@ -10,8 +10,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
-from app.embedded import ensure_service, paths_for, respawner, service_env, sweep_dead
+from kvtier.app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
+from kvtier.app.embedded import ensure_service, paths_for, respawner, service_env, sweep_dead
 from tests.app import ROOT, SPEC, hashes, python_env, settings_for, wait_until
 from tests.support.leak_check import (  # noqa: F401
     descendants,
@@ -23,8 +23,8 @@ from tests.support.leak_check import (  # noqa: F401
 # Prints the URL and the service's pid, then keeps the engine process alive until stdin closes.
 ENGINE = """
 import json, sys
-from app.embedded import ensure_service, paths_for
-from app.settings import load_settings
+from kvtier.app.embedded import ensure_service, paths_for
+from kvtier.app.settings import load_settings
 url = ensure_service(load_settings(), sys.argv[1])
 state = json.loads(paths_for(sys.argv[1])[2].read_text())
 print(json.dumps({"url": url, "pid": state["pid"], "arena": state["arena"]}), flush=True)
@@ -169,7 +169,7 @@ def test_killing_the_engines_process_tree_spares_the_service_which_then_cleans_u
 def test_dead_services_files_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "app.server"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "kvtier.app.server"])
     try:
         for name, pid in (("e-dead", dead.pid), ("e-live", live.pid)):
             arena = tmp_path / f"kvtier-{name[2:]}.arena"

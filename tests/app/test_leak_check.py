@@ -18,7 +18,7 @@ def test_finds_a_leaked_process_socket_and_arena(tmp_path: Path) -> None:
     mark = os.environ[lc.MARK_ENV]  # set by the session fixture the autouse check depends on
     before = lc.snapshot(mark, [tmp_path])
     # A stand-in whose command line looks like the service's.
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "app.server"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "kvtier.app.server"])
     arena = tmp_path / "kvtier-0123456789abcdef.arena"
     arena.write_bytes(b"x")
     sock_path = tmp_path / "svc.sock"

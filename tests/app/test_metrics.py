@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.metrics import LATENCY_BUCKETS, ServiceMetrics, build_registry, stats_dict
-from storage.base import StoreStats, TierStats
+from kvtier.app.metrics import LATENCY_BUCKETS, ServiceMetrics, build_registry, stats_dict
+from kvtier.storage.base import StoreStats, TierStats
 
 
 def test_latency_is_exposed_as_a_cumulative_histogram() -> None:

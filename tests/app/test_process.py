@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.client import ServiceClient, ServiceUnavailable
+from kvtier.app.client import ServiceClient, ServiceUnavailable
 from tests.app import ROOT, SPEC, RawConn, hashes, kvtier_cmd, python_env, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 VICTIM = """
 import sys, time
-from app.client import ServiceClient
+from kvtier.app.client import ServiceClient
 from tests.app import SPEC, hashes
 client = ServiceClient(sys.argv[1])
 ns = client.hello(SPEC).result(5).namespace

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import protocol as p
-from storage.base import SlotList, SlotRef, Tier
+from kvtier.app import protocol as p
+from kvtier.storage.base import SlotList, SlotRef, Tier
 from tests.app import SPEC, hashes
 
 H = hashes(3)

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from app import protocol as p
-from app.address import parse_url
-from app.client import ServiceClient
-from app.server import ServeError, check_bind
-from storage.base import SlotList, Tier
-from storage.keys import namespace_id
+from kvtier.app import protocol as p
+from kvtier.app.address import parse_url
+from kvtier.app.client import ServiceClient
+from kvtier.app.server import ServeError, check_bind
+from kvtier.storage.base import SlotList, Tier
+from kvtier.storage.keys import namespace_id
 from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
@@ -215,16 +215,16 @@ def test_bad_frame_closes_only_that_connection(tmp_path: Path, garbage: bytes) -
 def test_tcp_auth_token_required_and_compared_in_constant_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import app.service
+    import kvtier.app.service
 
     compared: list[tuple[bytes, bytes]] = []
-    real = app.service.hmac.compare_digest
+    real = kvtier.app.service.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app.service.hmac, "compare_digest", spy)
+    monkeypatch.setattr(kvtier.app.service.hmac, "compare_digest", spy)
     url = f"tcp://127.0.0.1:{_free_port()}"
     with thread_service(tmp_path, url=url, auth_token="tok-Ünïcode-42") as svc:
         for token in ("", "wrong", "tok-Ünïcode-4"):

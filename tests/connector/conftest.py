@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from app.client import HelloReply, ReserveReply
-from app.settings import KVTierSettings
-from connector.config import ConnectorConfig
-from connector.planning import Geometry
-from connector.worker import WorkerSide
-from storage.arena import Arena
-from storage.base import NamespaceSpec, SlotRef
+from kvtier.app.client import HelloReply, ReserveReply
+from kvtier.app.settings import KVTierSettings
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.planning import Geometry
+from kvtier.connector.worker import WorkerSide
+from kvtier.storage.arena import Arena
+from kvtier.storage.base import NamespaceSpec, SlotRef
 
 NUM_BLOCKS, BLOCK, CHUNK, LAYERS = 16, 4, 8, 3
 
@@ -63,7 +63,7 @@ class _Client:
 @pytest.fixture
 def arena_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """(worker, client, KV tensors, arena): a worker with a copy thread, over a real arena."""
-    monkeypatch.setattr("connector.worker.engine_cpus", lambda: frozenset({0, 1}))
+    monkeypatch.setattr("kvtier.connector.worker.engine_cpus", lambda: frozenset({0, 1}))
     kv = [torch.randn(NUM_BLOCKS, BLOCK, 2, 8).to(torch.bfloat16) for _ in range(LAYERS)]
     page = kv[0][0].numel() * 2
     spec = NamespaceSpec("m", "bfloat16", "NHD", BLOCK, CHUNK, LAYERS, page)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import arena_dir as module
-from bench.arena_dir import arena_dir, tmpfs_room
+from kvtier.bench import arena_dir as module
+from kvtier.bench.arena_dir import arena_dir, tmpfs_room
 
 needs_shm = pytest.mark.skipif(tmpfs_room(module.SHM_DIR) < 64 << 20, reason="no tmpfs at /dev/shm here")
 

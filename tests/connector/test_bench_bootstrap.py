@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
+from kvtier.bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
 
 
 def test_the_pooled_ratio_takes_the_median_of_every_sample_of_every_pair() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.connector import in_turns
+from kvtier.bench.connector import in_turns
 
 
 def test_samplers_take_turns_in_the_order_given_and_each_gets_its_median() -> None:

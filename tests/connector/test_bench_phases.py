@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from bench.engine_proc import Sample, engine_clock, hook_ms, kvtier_bypassed, phase_ms, time_prompt
-from bench.phases import PhaseClock, model_runner
+from kvtier.bench.engine_proc import Sample, engine_clock, hook_ms, kvtier_bypassed, phase_ms, time_prompt
+from kvtier.bench.phases import PhaseClock, model_runner
 
 
 class _Clock:
@@ -50,7 +50,7 @@ class _Connector:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     fake = _Clock()
-    monkeypatch.setattr("bench.phases.time.perf_counter", fake)
+    monkeypatch.setattr("kvtier.bench.phases.time.perf_counter", fake)
     return fake
 
 

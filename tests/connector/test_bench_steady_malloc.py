@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.engine_proc import STEADY_MALLOC_ENV, steady_malloc
+from kvtier.bench.engine_proc import STEADY_MALLOC_ENV, steady_malloc
 
 # Allocates and frees 36 MiB in 3 MiB blocks twice (numpy's buffers come from malloc), and prints
 # the page faults of each round: a heap that keeps what was freed serves the second round without

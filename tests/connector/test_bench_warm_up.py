@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.connector import warm_up_prompts
-from bench.models import BENCH
+from kvtier.bench.connector import warm_up_prompts
+from kvtier.bench.models import BENCH
 
 
 @pytest.mark.parametrize(

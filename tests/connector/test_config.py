@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from connector.config import UnsupportedEngine, build_config, check_kv_spec
+from kvtier.connector.config import UnsupportedEngine, build_config, check_kv_spec
 
 DENSE = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 

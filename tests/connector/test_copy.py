@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from app.affinity import NICE_STEPS
-from connector.block_ids import block_runs
-from connector.copy import BlockCopier, chunk_rows, loads_overlap
-from connector.layout import LayoutError, block_planes
-from connector.pinning import pin_host_buffer, unpin_host_buffer
+from kvtier.connector.block_ids import block_runs
+from kvtier.connector.copy import BlockCopier, chunk_rows, loads_overlap
+from kvtier.connector.layout import LayoutError, block_planes
+from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
+from kvtier.runtime.affinity import NICE_STEPS
 
 NUM_BLOCKS = 12
 DEVICES = [
@@ -299,7 +299,7 @@ def test_without_overlap_the_loads_are_in_place_when_load_layers_returns(slot_by
 def test_a_failed_layer_copy_stops_both_ends_and_is_reported() -> None:
     import threading
 
-    from connector.copy import _CpuLayerLoads
+    from kvtier.connector.copy import _CpuLayerLoads
 
     copied: list[int] = []
     started = threading.Event()
@@ -449,7 +449,7 @@ def test_an_arena_cuda_refuses_to_pin_leaves_no_error_for_the_next_kernel() -> N
 def test_a_cuda_save_that_fails_midway_reports_it_with_nothing_left_running(monkeypatch, slot_bytes) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    import connector.copy_cuda as copy_cuda
+    import kvtier.connector.copy_cuda as copy_cuda
 
     monkeypatch.setattr(copy_cuda, "PIECE_BYTES", 1)  # one layer per piece: several pieces per chunk
     layers = [_kv_split(40 + i).to("cuda") for i in range(4)]

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from connector.copy_thread import CopyError, CopyThread
+from kvtier.connector.copy_thread import CopyError, CopyThread
 
 
 def test_wait_returns_after_every_submitted_copy_ran_in_order() -> None:

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from app.embedded import paths_for
-from connector.connector import KVTierConnector, KVTierIdle, KVTierStats
-from connector.prom import ACTIVE, KVTierPromMetrics
-from connector.stats import ACTIVE_SIDES, IDLE_SIDES
+from kvtier.app.embedded import paths_for
+from kvtier.connector.connector import KVTierConnector, KVTierIdle, KVTierStats
+from kvtier.connector.prom import ACTIVE, KVTierPromMetrics
+from kvtier.connector.stats import ACTIVE_SIDES, IDLE_SIDES
 from tests.app import ThreadService, settings_for, thread_service
 
 SCHEDULER, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER

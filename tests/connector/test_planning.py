@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.planning import (
+from kvtier.connector.planning import (
     Geometry,
     chunk_block_ids,
     chunk_hashes,

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from app.client import LookupReply, ServiceUnavailable
-from app.settings import KVTierSettings
-from connector.config import ConnectorConfig
-from connector.planning import Geometry, save_range
-from connector.scheduler import SchedulerSide
-from storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
+from kvtier.app.client import LookupReply, ServiceUnavailable
+from kvtier.app.settings import KVTierSettings
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.planning import Geometry, save_range
+from kvtier.connector.scheduler import SchedulerSide
+from kvtier.storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
 
 BLOCK, CHUNK = 32, 64  # 2 blocks per chunk
 

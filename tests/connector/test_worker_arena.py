@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import connector.worker_arena as worker_arena
-from app.client import HelloReply
-from connector.worker_arena import WorkerArena
-from storage.arena import Arena
-from storage.base import SlotRef
+import kvtier.connector.worker_arena as worker_arena
+from kvtier.app.client import HelloReply
+from kvtier.connector.worker_arena import WorkerArena
+from kvtier.storage.arena import Arena
+from kvtier.storage.base import SlotRef
 
 
 @pytest.fixture

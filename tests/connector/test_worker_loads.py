@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
-from storage.base import SlotRef
+from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from kvtier.storage.base import SlotRef
 from tests.connector.conftest import LAYERS
 
 LAYER_NAMES = [f"layer{i}" for i in range(LAYERS)]
@@ -204,7 +204,7 @@ def test_loads_before_a_full_graph_replay_are_in_place_before_it_runs(
 
 
 def test_which_forwards_wait_for_each_layer() -> None:
-    from connector.worker import layers_wait_in_forward
+    from kvtier.connector.worker import layers_wait_in_forward
 
     assert layers_wait_in_forward(None)  # outside vLLM's model runner
     assert layers_wait_in_forward(_context("NONE"))

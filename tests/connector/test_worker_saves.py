@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from connector.metadata import KVTierMetadata, SaveJob
-from connector.worker import WorkerSide
+from kvtier.connector.metadata import KVTierMetadata, SaveJob
+from kvtier.connector.worker import WorkerSide
 
 
 def _step(worker: WorkerSide, saves: list[SaveJob]) -> None:

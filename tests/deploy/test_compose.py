@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from app.settings import ENV_PREFIX, FIELD_NAMES, KVTierSettings, load_settings
+from kvtier.app.settings import ENV_PREFIX, FIELD_NAMES, KVTierSettings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
@@ -257,7 +257,7 @@ def test_kv_transfer_config_names_the_connector(compose: dict[str, Any]) -> None
         assert config["kv_connector"] == CONNECTOR_NAME == "KVTierConnector"
         assert config["kv_role"] == "kv_both"
         assert config["kv_load_failure_policy"] == "recompute"
-        module = config.get("kv_connector_module_path", "connector")
+        module = config.get("kv_connector_module_path", "kvtier.connector")
         assert (REPO / module.replace(".", "/") / "__init__.py").exists(), module
         extra = config.get("kv_connector_extra_config", {})
         load_settings(extra=extra, env={})

@@ -174,12 +174,12 @@ def anchors(path: Path) -> set[str]:
 
 
 def exported_kvtier_metrics() -> set[str]:
-    """Family and sample names the service's /metrics exposes, from app.metrics' own registry."""
+    """Family and sample names the service's /metrics exposes, from kvtier.app.metrics' own registry."""
     try:
-        from app.metrics import ServiceMetrics, build_registry
-        from storage.base import StoreStats, TierStats
+        from kvtier.app.metrics import ServiceMetrics, build_registry
+        from kvtier.storage.base import StoreStats, TierStats
     except ImportError as exc:
-        pytest.skip(f"app.metrics not importable yet: {exc}")
+        pytest.skip(f"kvtier.app.metrics not importable yet: {exc}")
     tiers = {name: TierStats(errors={"timeout": 1}) for name in ("cpu", "disk", "redis")}
     stats = StoreStats(
         tiers=tiers,
@@ -251,7 +251,7 @@ def test_configuration_reference_is_current() -> None:
 
 def test_configuration_reference_lists_every_setting() -> None:
     """Each setting and its environment variable appear in the reference."""
-    from app.settings import ENV_PREFIX, FIELD_NAMES
+    from kvtier.app.settings import ENV_PREFIX, FIELD_NAMES
 
     text = (DOCS / "configuration.md").read_text()
     for name in FIELD_NAMES:

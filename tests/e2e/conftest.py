@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.models import TINY, build_model
+from kvtier.bench.models import TINY, build_model
 
 
 @pytest.fixture(scope="session")

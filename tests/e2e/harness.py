@@ -59,7 +59,7 @@ def kv_transfer_config(**extra: Any) -> dict[str, Any]:
     """The kv-transfer-config that turns kvtier on, with connector extra config."""
     return {
         "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "connector",
+        "kv_connector_module_path": "kvtier.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,

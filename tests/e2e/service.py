@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.client import ServiceClient
-from storage.base import Tier
+from kvtier.app.client import ServiceClient
+from kvtier.storage.base import Tier
 from tests.app import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def stop_process(proc: subprocess.Popen, grace: float = 20) -> None:
 
 @contextlib.contextmanager
 def running_service(tmp: Path, **settings: Any) -> Iterator[RunningService]:
-    """Start `python -m app.server` with KVTIER_* settings; stop it with SIGTERM on every path."""
+    """Start `python -m kvtier.app.server` with KVTIER_* settings; stop it with SIGTERM on every path."""
     tmp.mkdir(parents=True, exist_ok=True)
     url = f"unix://{tmp}/kvtier.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -86,7 +86,7 @@ def running_service(tmp: Path, **settings: Any) -> Iterator[RunningService]:
     env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
     log = open(tmp / "service.log", "w")  # noqa: SIM115 - closed below, on every path
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.server", "--url", url],
+        [sys.executable, "-m", "kvtier.app.server", "--url", url],
         env=env,
         stdout=log,
         stderr=log,

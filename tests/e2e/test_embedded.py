@@ -37,7 +37,7 @@ def _service_processes(marker: Path) -> list[int]:
                 state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
             except (OSError, IndexError):
                 continue
-            if b"app.server" in cmd and str(marker).encode() in cmd and state != "Z":
+            if b"kvtier.app.server" in cmd and str(marker).encode() in cmd and state != "Z":
                 pids.append(int(entry.name))
     return pids
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.base import Tier
+from kvtier.storage.base import Tier
 from tests.e2e.engine_script import run_engine_process
 from tests.e2e.harness import (
     Outputs,

@@ -11,9 +11,9 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from app import protocol as p
-    from storage import codec
-    from storage.base import BlobError, ChunkKey
+    from kvtier.app import protocol as p
+    from kvtier.storage import codec
+    from kvtier.storage.base import BlobError, ChunkKey
 
 KEY = ChunkKey("0123456789abcdef", b"prefix-hash".ljust(32, b"."))
 

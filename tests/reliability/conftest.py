@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from app.embedded import probe
-from bench.models import TINY, build_model
-from connector.stats import merge_counts
-from storage.base import NamespaceSpec, Tier
+from kvtier.app.embedded import probe
+from kvtier.bench.models import TINY, build_model
+from kvtier.connector.stats import merge_counts
+from kvtier.storage.base import NamespaceSpec, Tier
 from tests.e2e.harness import Outputs, generate, make_prompt, running_engine
 from tests.e2e.introspect import scheduler_connector, worker_connector
 from tests.e2e.service import REPO, RunningService, stop_process
@@ -119,7 +119,7 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 
 # ----------------------------------------------------------------------------------- services
 class ServiceProc:
-    """A standalone `python -m app.server` on a fixed unix socket that can be killed and restarted.
+    """A standalone `python -m kvtier.app.server` on a fixed unix socket that can be killed and restarted.
 
     ``wrap`` prefixes the command (e.g. ``unshare`` to give the service a private mount namespace).
     Each incarnation appends to ``service.log`` in its directory.
@@ -149,7 +149,7 @@ class ServiceProc:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         with open(self.tmp / "service.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [*self.wrap, sys.executable, "-m", "app.server", "--url", self.url],
+                [*self.wrap, sys.executable, "-m", "kvtier.app.server", "--url", self.url],
                 env=self.env,
                 stdout=log,
                 stderr=log,

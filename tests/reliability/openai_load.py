@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.demo import free_port
+from kvtier.bench.demo import free_port
 from tests.e2e.harness import make_prompt
 from tests.support.leak_check import descendants
 
@@ -289,7 +289,7 @@ def service_pids(root: int) -> set[int]:
         if not entry.name.isdigit():
             continue
         args = cmdline(int(entry.name)).split()
-        if "app.server" in args and alive(int(entry.name)):
+        if "kvtier.app.server" in args and alive(int(entry.name)):
             parent = args[args.index("--parent-pid") + 1] if "--parent-pid" in args[:-1] else ""
             if int(entry.name) in family or (parent.isdigit() and int(parent) in family):
                 found.add(int(entry.name))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import SettingsError
+from kvtier.app.settings import SettingsError
 from tests.e2e.harness import kv_transfer_config, running_engine
 from tests.reliability.conftest import NO_LOCAL_CACHE
 from tests.reliability.openai_load import REPO, kvtier_files, service_pids
@@ -62,7 +62,7 @@ YAML_CASES = [
 
 def _kvtier() -> list[str]:
     script = Path(sys.executable).with_name("kvtier")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvtier.app.cli"]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from app.client import DEFAULT_TIMEOUT_S
+from kvtier.app.client import DEFAULT_TIMEOUT_S
 from tests.e2e.harness import (
     Outputs,
     assert_same_outputs,

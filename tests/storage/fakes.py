@@ -6,7 +6,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 
-from storage.base import ChunkKey, Tier, TierStats
+from kvtier.storage.base import ChunkKey, Tier, TierStats
 
 
 class FakeTier:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage.arena import (
+from kvtier.storage.arena import (
     PAGE,
     Arena,
     ArenaMapping,
@@ -19,7 +19,7 @@ from storage.arena import (
     align_up,
     reap_stale_arenas,
 )
-from storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
+from kvtier.storage.base import ArenaError, ArenaInfo, SlotRef, SlotStateError
 
 MIB = 1 << 20
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from storage.arena import PAGE, SlotAllocator
-from storage.base import ChunkKey, SlotRef, SlotStateError
-from storage.tiers.cpu import CpuTier
+from kvtier.storage.arena import PAGE, SlotAllocator
+from kvtier.storage.base import ChunkKey, SlotRef, SlotStateError
+from kvtier.storage.tiers.cpu import CpuTier
 
 CHUNK = 4 * PAGE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.eviction import LRUPolicy
+from kvtier.storage.eviction import LRUPolicy
 
 
 def _policy(*items: tuple[str, int]) -> LRUPolicy[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from storage.base import ChunkKey, Tier
-from storage.leases import Lease, LeaseTable
+from kvtier.storage.base import ChunkKey, Tier
+from kvtier.storage.leases import Lease, LeaseTable
 
 
 class Clock:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import storage.arena as arena_module
-from storage.arena import Arena
-from storage.mounts import filesystem_type, fs_type_in
+import kvtier.storage.arena as arena_module
+from kvtier.runtime.mounts import filesystem_type, fs_type_in
+from kvtier.storage.arena import Arena
 
 TABLE = [
     ["/dev/vda", "/", "ext4", "rw", "0", "0"],

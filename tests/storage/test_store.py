@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import load_settings
-from storage.arena import Arena, ArenaMapping
-from storage.base import (
+from kvtier.app.settings import load_settings, storage_config
+from kvtier.storage.arena import Arena, ArenaMapping
+from kvtier.storage.base import (
     ArenaError,
     ChunkKey,
     NamespaceSpec,
@@ -23,7 +23,7 @@ from storage.base import (
     Tier,
     UnknownNamespaceError,
 )
-from storage.store import StoreConfig, TieredStore, build_store
+from kvtier.storage.store import StoreConfig, TieredStore, build_store
 from tests.storage.fakes import FakeTier
 
 SPEC = NamespaceSpec(
@@ -692,7 +692,7 @@ async def test_close_gives_up_on_a_stuck_tier(make) -> None:
 
 async def test_build_store_from_settings(tmp_path: Path) -> None:
     settings = load_settings({"shm_dir": str(tmp_path), "cpu_size": "1MiB", "lease_ttl": 5}, env={})
-    async with await build_store(settings) as store:
+    async with await build_store(storage_config(settings)) as store:
         ns = await store.register(SPEC)
         info = store.arena_info()
         assert Path(info.path).parent == tmp_path and info.size == 1 << 20
@@ -705,11 +705,11 @@ async def test_build_store_from_settings(tmp_path: Path) -> None:
 
 
 async def test_build_store_with_the_disk_tier_survives_a_restart(tmp_path: Path) -> None:
-    pytest.importorskip("storage.tiers.disk")
+    pytest.importorskip("kvtier.storage.tiers.disk")
     (tmp_path / "shm").mkdir()
     extra = {"shm_dir": str(tmp_path / "shm"), "cpu_size": "1MiB", "disk_path": str(tmp_path / "d")}
     settings = load_settings(extra, env={})
-    async with await build_store(settings) as store:
+    async with await build_store(storage_config(settings)) as store:
         ns = await store.register(SPEC)
         slots = await store.reserve(ns, H[:2])
         client = ArenaMapping.open(store.arena_info())
@@ -719,7 +719,7 @@ async def test_build_store_with_the_disk_tier_survives_a_restart(tmp_path: Path)
         await store.commit(ns, H[:2], [s for s in slots if s is not None])
         assert await store.flush(5.0)
         client.close()
-    async with await build_store(settings) as store:  # a fresh arena: only the disk remembers
+    async with await build_store(storage_config(settings)) as store:  # a fresh arena: only the disk remembers
         ns = await store.register(SPEC)
         res = await store.lookup(ns, H[:3], "r")
         assert res.num_hit == 2 and res.tiers == [Tier.DISK, Tier.DISK]

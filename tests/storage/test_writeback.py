@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from storage.base import ChunkKey, SlotRef, Tier
-from storage.writeback import WriteBack
+from kvtier.storage.base import ChunkKey, SlotRef, Tier
+from kvtier.storage.writeback import WriteBack
 from tests.storage.fakes import FakeTier
 
 SIZE = 64

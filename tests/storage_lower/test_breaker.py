@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.breaker import BreakerState, CircuitBreaker
+from kvtier.storage.breaker import BreakerState, CircuitBreaker
 
 
 class FakeClock:

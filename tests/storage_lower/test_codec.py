@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage import codec
-from storage.base import BLOB_FORMAT_VERSION, BlobError, ChunkKey
+from kvtier.storage import codec
+from kvtier.storage.base import BLOB_FORMAT_VERSION, BlobError, ChunkKey
 
 NS = "0123456789abcdef"
 keys = st.builds(

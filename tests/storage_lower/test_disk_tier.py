@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import KVTierSettings
-from storage import codec
-from storage.base import BlobError, BlobFormatError, ChunkKey, ClearableTier, LowerTier, Tier
-from storage.tiers import threads
-from storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
-from storage.tiers.threads import Lane
+from kvtier.runtime import handoff
+from kvtier.runtime.handoff import Lane
+from kvtier.storage import codec
+from kvtier.storage.base import BlobError, BlobFormatError, ChunkKey, ClearableTier, LowerTier, Tier
+from kvtier.storage.config import DiskConfig
+from kvtier.storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
 
 NS = "00112233445566ff"
 CHUNK = 4096
@@ -30,8 +30,8 @@ def payload(i: int, size: int = CHUNK) -> memoryview:
     return memoryview(bytes((i + j) % 251 for j in range(size)))
 
 
-def settings(path: Path, size: int = 1 << 30, fsync: bool = False) -> KVTierSettings:
-    return KVTierSettings(disk_path=str(path), disk_size=size, disk_fsync=fsync)
+def settings(path: Path, size: int = 1 << 30, fsync: bool = False) -> DiskConfig:
+    return DiskConfig(str(path), size, fsync)
 
 
 async def started(path: Path, io: DiskIO | None = None, **kw: int | bool) -> DiskTier:
@@ -414,7 +414,7 @@ HEADER = BLOB - CHUNK
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codec, "SEGMENT", SEG)
-    monkeypatch.setattr(threads, "COMPANION_MIN_BYTES", 2 * SEG)  # scaled down with the segments
+    monkeypatch.setattr(handoff, "COMPANION_MIN_BYTES", 2 * SEG)  # scaled down with the segments
 
 
 async def segmented(path: Path, io: DiskIO | None = None) -> DiskTier:

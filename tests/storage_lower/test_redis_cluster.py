@@ -8,10 +8,10 @@ import random
 import pytest
 from redis.asyncio import RedisCluster
 
-from app.settings import KVTierSettings
-from storage.base import ChunkKey
-from storage.keys import redis_key
-from storage.tiers.redis import RedisTier
+from kvtier.storage.base import ChunkKey
+from kvtier.storage.config import RedisConfig
+from kvtier.storage.keys import redis_key
+from kvtier.storage.tiers.redis import RedisTier
 from tests.support.redis_server import RedisClusterServers, have_redis_server
 
 pytestmark = [
@@ -35,7 +35,7 @@ async def tier(redis_cluster: RedisClusterServers) -> RedisTier:
     # A generous call timeout: these tests are about the cluster, not timeouts (test_redis_tier and
     # the fault tests cover those), and a host stall over the 1 s default (seen in CI) would open
     # the breaker and fail a put here.
-    t = RedisTier(KVTierSettings(redis_url=redis_cluster.url, redis_ttl=100, redis_timeout=10.0))
+    t = RedisTier(RedisConfig(redis_cluster.url, cluster=True, ttl=100, timeout=10.0))
     await t.start()
     yield t  # type: ignore[misc]
     await t.close()

@@ -18,14 +18,15 @@ import fakeredis
 import pytest
 import redis
 
-from app.settings import KVTierSettings
-from storage import codec
-from storage.base import ChunkKey, ClearableTier, LowerTier, Tier
-from storage.breaker import CircuitBreaker
-from storage.keys import redis_key
-from storage.tiers import redis_wire
-from storage.tiers.redis import RedisTier, client_url
-from storage.tiers.redis_wire import (
+from kvtier.app.settings import KVTierSettings, storage_config
+from kvtier.storage import codec
+from kvtier.storage.base import ChunkKey, ClearableTier, LowerTier, Tier
+from kvtier.storage.breaker import CircuitBreaker
+from kvtier.storage.config import RedisConfig
+from kvtier.storage.keys import redis_key
+from kvtier.storage.tiers import redis_wire
+from kvtier.storage.tiers.redis import RedisTier, client_url
+from kvtier.storage.tiers.redis_wire import (
     GetOutcome,
     RawConnection,
     RawEndpoint,
@@ -54,8 +55,11 @@ def payload(i: int, size: int = CHUNK) -> memoryview:
     return memoryview(random.Random(i).randbytes(4096) * (size // 4096))
 
 
-def make_settings(url: str, **kw: object) -> KVTierSettings:
-    return KVTierSettings(redis_url=url, **kw)  # type: ignore[arg-type]
+def make_settings(url: str, **kw: object) -> RedisConfig:
+    """The Redis tier's config as the service builds it from these settings."""
+    config = storage_config(KVTierSettings(redis_url=url, **kw)).redis  # type: ignore[arg-type]
+    assert config is not None
+    return config
 
 
 async def read(tier: RedisTier, k: ChunkKey, size: int = CHUNK) -> bytes | None:
@@ -199,8 +203,9 @@ def test_cluster_url_translation() -> None:
     assert client_url("redis+cluster://h:7000") == "redis://h:7000"
     assert client_url("rediss+cluster://u:p@h:7000/0") == "rediss://u:p@h:7000/0"
     assert client_url("redis://h:1/2") == "redis://h:1/2"
-    assert make_settings("redis+cluster://h:7000").redis_is_cluster
-    assert make_settings("redis://h:7000", redis_cluster=True).redis_is_cluster
+    assert make_settings("redis+cluster://h:7000").cluster
+    assert make_settings("redis://h:7000", redis_cluster=True).cluster
+    assert not make_settings("redis://h:7000").cluster
 
 
 def test_tls_url_uses_redis_asyncio() -> None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from storage.tiers.threads import COMPANION_MIN_BYTES, Handoff, IOThreads, Lane, TwoEnds, companion
+from kvtier.runtime.handoff import COMPANION_MIN_BYTES, Handoff, IOThreads, Lane, TwoEnds, companion
 
 
 async def test_value_error_and_hook_order() -> None:

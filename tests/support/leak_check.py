@@ -7,7 +7,7 @@ Register it for the whole suite from the root conftest::
 (``no_kvtier_leaks`` is the autouse wrapper; import only ``leak_check`` to opt in per test.)
 
 What counts as a leak, compared with a snapshot taken when the test started:
-- a live (not zombie) process whose command line runs the service (``app.server``, ``kvtier serve``)
+- a live (not zombie) process whose command line runs the service (``kvtier.app.server``, ``kvtier serve``)
   that is a descendant of the test process, or that carries this session's marker in its environment
   (a service re-parented to init after its spawner exited still carries it);
 - a ``*.sock`` file in kvtier's runtime directories or in the test's ``tmp_path``;
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_proc import environment
+from kvtier.bench.engine_proc import environment
 
 MARK_ENV = "KVT_LEAK_SESSION"  # not KVTIER_*: unknown KVTIER_ variables are configuration errors
 LEAK_GRACE_S = 10.0  # a shutdown may drain disk/Redis writes (5 s) after a 2 s call grace
-_SERVICE_MARKERS = ("app.server", "app/server.py")
+_SERVICE_MARKERS = ("kvtier.app.server", "app/server.py")
 
 
 @dataclass

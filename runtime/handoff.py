@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from app.affinity import run_when_idle
+from kvtier.runtime.affinity import run_when_idle
 
 T = TypeVar("T")
 log = logging.getLogger("kvtier.threads")
