@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "service": ("kvtier.bench.service", "service round trips against a bare unix-socket echo"),
     "connector": ("kvtier.bench.connector", "TTFT with kvtier hits against recompute"),
     "gpu": ("kvtier.bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
+    "gpu-check": ("kvtier.bench.gpu_check", "correctness of the CUDA copy path (CPU part runs anywhere)"),
 }
 
 

@@ -11,7 +11,7 @@ from kvtier.connector.planning import Geometry
 from kvtier.storage.base import NamespaceSpec
 from kvtier.storage.keys import namespace_id
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 
 class UnsupportedEngine(ValueError):

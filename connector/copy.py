@@ -48,7 +48,7 @@ from kvtier.runtime.handoff import TwoEnds
 if TYPE_CHECKING:
     from kvtier.connector.copy_cuda import CudaCopier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 
 # A CPU copy of layers [lo, hi): (lo, hi, slot, where the chunk's blocks lie, first slot row).
@@ -385,9 +385,11 @@ class BlockCopier:
                 offset += width
 
     def load(self, slot: torch.Tensor, first: int, block_ids: Sequence[int]) -> None:
-        """Copy slot block rows ``[first, first + len(block_ids))`` of every layer into the blocks."""
+        """Copy slot block rows ``[first, first + len(block_ids))`` of every layer into the blocks;
+        what runs next on the current stream (CUDA) or after wait() (CPU) sees them."""
         if self._gpu is not None:
-            self._gpu.load([(slot, first, block_ids)])
+            events = self._gpu.load([(slot, first, block_ids)])
+            torch.cuda.current_stream(self.device).wait_event(events[-1])
             return
         self._on_cpu(self._load_cpu, slot.numpy(), self._rows(block_ids), first)
 

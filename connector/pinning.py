@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 PIN_PIECE_BYTES = 64 << 30
 _PAGE = 4096

@@ -29,7 +29,7 @@ from kvtier.connector.planning import (
 from kvtier.connector.stats import SchedulerCounters, merge_counts
 from kvtier.storage.base import Tier
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 _NEVER = 1 << 62  # a token count no request reaches
 

@@ -41,7 +41,7 @@ from kvtier.connector.worker_arena import WorkerArena
 from kvtier.runtime.affinity import engine_cpus
 from kvtier.storage.base import SlotRef
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 # Bound on waiting for this step's reserve answers in wait_for_save; past it the saves are skipped.
 # After one miss of the bound the worker only probes (SAVE_PROBE_S) until answers come back, in time

@@ -74,6 +74,9 @@ def make() -> Iterator[Make]:
         conn.shutdown()
 
 
+CONNECTOR_LOG = "vllm.kvtier.connector"
+
+
 class _Records(logging.Handler):
     """Keeps every record it is handed."""
 
@@ -99,10 +102,8 @@ def vllm_log() -> Iterator[list[logging.LogRecord]]:
 
 
 def _warnings(records: list[logging.LogRecord]) -> list[str]:
-    """The messages kvtier's connector logged at WARNING."""
-    return [
-        r.getMessage() for r in records if r.levelno == logging.WARNING and r.name.startswith("vllm.kvtier")
-    ]
+    """The messages the connector class logged at WARNING (its sides log their own details too)."""
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING and r.name == CONNECTOR_LOG]
 
 
 def _engines(*connectors: KVTierConnector) -> list[dict[str, Any]]:

@@ -1,0 +1,41 @@
+"""bench.gpu_check's CPU part: every layout round trip passes on the CPU, and without CUDA the CUDA-only
+checks say they were skipped instead of passing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.bench import gpu_check
+from kvtier.bench.gpu_check_layouts import CASES
+
+
+def test_the_layout_round_trips_pass_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    statuses = {check["name"]: check["status"] for check in summary["checks"]}
+    assert [name for name in statuses if name.startswith("roundtrip")] == [
+        f"roundtrip {c.name}" for c in CASES
+    ]
+    assert all(statuses[f"roundtrip {c.name}"] == "PASS" for c in CASES)
+    cuda_only = [name for name in statuses if not name.startswith("roundtrip")]
+    assert cuda_only and all(statuses[name] == "SKIP" for name in cuda_only)
+    assert summary["failed"] == 0 and summary["passed"] == len(CASES)
+    lines = capsys.readouterr().out.splitlines()
+    assert f"PASS roundtrip {CASES[0].name}" in lines
+    assert f"SKIP {cuda_only[0]}: no CUDA" in lines
+
+
+def test_a_failed_check_fails_the_run_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(device: torch.device) -> None:
+        raise AssertionError("bytes differ")
+
+    monkeypatch.setattr(gpu_check, "checks", lambda: [("broken", broken, False)])
+    assert gpu_check.run_all(torch.device("cpu"), echo=False) == [
+        gpu_check.Outcome("broken", "FAIL", "bytes differ")
+    ]
+    assert gpu_check.main(["--device", "cpu"]) == 1
