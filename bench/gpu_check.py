@@ -19,7 +19,7 @@ registry)::
 Each check prints ``PASS name``, ``FAIL name: why`` or ``SKIP name: why``; the exit status is 1 if
 any failed. Without CUDA the CUDA-only checks are skipped and the layout round trips run on the CPU.
 
-Checks, in order (``checks()``; worker-side checks go at its end):
+Checks, in order (``checks()``):
   roundtrip <case>       every KVCacheLayout, kernel-block split and MLA: saves and loads of ascending,
                          descending, scattered and partial chunks, byte for byte (any device)
   save_after_compute     a save sees what the current stream wrote before it (behind a _sleep)
@@ -30,6 +30,11 @@ Checks, in order (``checks()``; worker-side checks go at its end):
   offsets_past_4gib      blocks whose bytes lie past 2**31 and 2**32 in a > 4 GiB KV buffer
   pin_unpin_pin          pin, unpin, pin again, a refused second pin: no CUDA error left behind
   failed_save_batch      a batch with a bad block id reports an error with the copier's streams idle
+  worker_save            WorkerSide (vLLM's metadata reduced to what it reads): a saved chunk, exact
+  worker_load            a CPU-tier hit in its blocks once each layer's wait returned; lease released
+  worker_failed_load     a hit whose slot is gone reported as exactly its blocks
+  worker_preemption_fence  deferred saves ended once handle_preemptions returns
+  worker_full_graph_replay a full CUDA graph replayed after start_load_kv reads the loaded bytes
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch
 
 from kvtier.bench.gpu_check_cuda import cuda_checks
 from kvtier.bench.gpu_check_layouts import Skipped, layout_checks
+from kvtier.bench.gpu_check_worker import worker_checks
 
 Check = Callable[[torch.device], None]
 
@@ -64,7 +70,7 @@ def checks() -> list[tuple[str, Check, bool]]:
     """Every check as (name, function, needs CUDA), in the order they run."""
     out: list[tuple[str, Check, bool]] = [(name, fn, False) for name, fn in layout_checks()]
     out += [(name, fn, True) for name, fn in cuda_checks()]
-    # Worker-side checks (connector.worker over these views) slot in here.
+    out += [(name, fn, False) for name, fn in worker_checks()]
     return out
 
 

@@ -1,5 +1,5 @@
-"""bench.gpu_check's CPU part: every layout round trip passes on the CPU, and without CUDA the CUDA-only
-checks say they were skipped instead of passing."""
+"""bench.gpu_check's CPU part: every layout round trip and the worker-side checks pass on the CPU, and
+without CUDA the CUDA-only checks say they were skipped instead of passing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from kvtier.bench import gpu_check
 from kvtier.bench.gpu_check_layouts import CASES
+from kvtier.bench.gpu_check_worker import worker_checks
 
 
 def test_the_layout_round_trips_pass_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,9 +23,11 @@ def test_the_layout_round_trips_pass_on_the_cpu(tmp_path: Path, capsys: pytest.C
         f"roundtrip {c.name}" for c in CASES
     ]
     assert all(statuses[f"roundtrip {c.name}"] == "PASS" for c in CASES)
-    cuda_only = [name for name in statuses if not name.startswith("roundtrip")]
+    worker = [name for name, _ in worker_checks()]
+    assert [statuses[name] for name in worker] == ["PASS"] * 4 + ["SKIP"]  # the graph replay needs CUDA
+    cuda_only = [name for name in statuses if not name.startswith("roundtrip") and name not in worker]
     assert cuda_only and all(statuses[name] == "SKIP" for name in cuda_only)
-    assert summary["failed"] == 0 and summary["passed"] == len(CASES)
+    assert summary["failed"] == 0 and summary["passed"] == len(CASES) + 4
     lines = capsys.readouterr().out.splitlines()
     assert f"PASS roundtrip {CASES[0].name}" in lines
     assert f"SKIP {cuda_only[0]}: no CUDA" in lines
