@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.app.address import Address, parse_url, resolve_url
+from kvtier.app.connection import Connection
 from kvtier.app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
 from kvtier.app.logs import secrets_of, setup_logging
-from kvtier.app.service import Connection, Service
+from kvtier.app.service import Service
 from kvtier.app.settings import KVTierSettings, SettingsError, load_settings
 from kvtier.runtime.affinity import parse_cpus, run_on
 from kvtier.runtime.event_loop import new_event_loop
@@ -193,7 +194,7 @@ async def run_service(
     inode = 0
     admin: AdminServer | None = None
     try:
-        service = Service(store, auth_token=settings.auth_token, lease_ttl=settings.lease_ttl)
+        service = Service(store, auth_token=settings.auth_token)
         arena = store.arena_info()
         if options.state_file:  # before listening: whoever sees the socket may read it at once
             _write_state(options.state_file, {"pid": os.getpid(), "url": options.url, "arena": arena.path})

@@ -7,8 +7,8 @@ propagates; the thread's own I/O timeouts bound that wait.
 
 ``IOThreads`` is the disk tier's hand-off: a C queue carries each call to a thread, and one
 ``call_soon_threadsafe`` brings the outcome back, settling the job (and its bookkeeping hook) and
-waking its waiters in the same loop iteration. ThreadPoolExecutor plus ``wrap_future`` costs about
-twice that per call here (20 vs 45 us), which is a measurable share of a 2 MiB chunk.
+waking its waiters in the same loop iteration: cheaper per call than ThreadPoolExecutor plus
+``wrap_future``, by a measurable share of a 2 MiB chunk's time (docs/performance.md).
 
 Each worker has a companion ``Lane``, one more thread, so one job can keep both cores busy: the
 worker hands one call to its companion through a ``Handoff`` and goes on with the rest of the job (the
@@ -74,9 +74,7 @@ async def wait_quietly(future: asyncio.Future[Any]) -> None:
 
 _worker = threading.local()
 # Bytes of work from which a job shares it with its companion. Below it the hand-off costs more than
-# it saves: waking the companion and trading the GIL with it at every step take tens of microseconds
-# each on a VM; 2 and 4 MiB disk gets took 1.1-1.8x as long with it, 8 MiB ones from 0.7x (faster)
-# to 1.2x, depending on the host (probes, best and median of 7).
+# it saves: waking the companion and trading the GIL with it at every step (docs/performance.md).
 COMPANION_MIN_BYTES = 8 << 20
 
 
@@ -234,8 +232,8 @@ def wait_released(lock: threading.Lock) -> None:
     """Wait until another thread releases lock, yielding the core for a while before sleeping.
 
     A thread that sleeps is woken by an inter-processor interrupt once its core has gone idle, which
-    takes 50-100 us on a VM like this one: longer than much of what it waits for. Yielding (the GIL
-    too) keeps the core busy and lets the thread it waits for, or another, run.
+    can take longer than much of what it waits for (docs/performance.md). Yielding (the GIL too)
+    keeps the core busy and lets the thread it waits for, or another, run.
     """
     deadline = time.perf_counter() + SPIN_S
     while lock.locked() and time.perf_counter() < deadline:

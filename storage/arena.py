@@ -17,13 +17,13 @@ exact LRU. With mixed sizes, best fit keeps large holes for large chunks; the CP
 victims until a hole fits, which can evict more bytes than strictly needed when pinned chunks
 fragment the arena (bounded by the unpinned chunks).
 
-Pre-faulting: the first write to a fresh tmpfs page costs a page fault plus zeroing (about 1-2 GB/s
-here, against 11-24 GB/s into touched pages). A background thread allocates the file's pages with
-``posix_fallocate`` (no GIL held, and running out of tmpfs shows up as an error instead of a SIGBUS
-on a later write) and populates this process's page tables with ``MADV_POPULATE_WRITE``, a few MiB
-at a time so startup never waits for it. madvise is called through ctypes, which drops the GIL
-(Python's ``mmap.madvise`` keeps it): a worker pre-faulting its mapping never stalls vLLM's thread.
-It never writes data, so slots in use while it runs are unharmed.
+Pre-faulting: the first write to a fresh tmpfs page costs a page fault plus zeroing, several times
+slower than a write into a touched page (docs/performance.md). A background thread allocates the
+file's pages with ``posix_fallocate`` (no GIL held, and running out of tmpfs shows up as an error
+instead of a SIGBUS on a later write) and populates this process's page tables with
+``MADV_POPULATE_WRITE``, a few MiB at a time so startup never waits for it. madvise is called through
+ctypes, which drops the GIL (Python's ``mmap.madvise`` keeps it): a worker pre-faulting its mapping
+never stalls vLLM's thread. It never writes data, so slots in use while it runs are unharmed.
 """
 
 from __future__ import annotations
@@ -163,11 +163,6 @@ class ArenaMapping:
         return np.frombuffer(self.view(slot), dtype=dtype)
 
     # -------------------------------------------------------------------------- pre-faulting
-    @property
-    def prefaulted(self) -> bool:
-        """True once every page is mapped here (or pre-faulting gave up, see prefault_error)."""
-        return self._prefaulted.is_set()
-
     def wait_prefaulted(self, timeout: float | None = None) -> bool:
         """Block until pre-faulting ends (for benchmarks and tests, never on the event loop)."""
         return self._prefaulted.wait(timeout)
@@ -398,10 +393,6 @@ class SlotAllocator:
     def extent(self, length: int) -> int:
         """Bytes a slot of length occupies."""
         return align_up(max(length, 1), self.align)
-
-    def largest_free(self) -> int:
-        """Size of the largest free extent."""
-        return max(self._free_len.values(), default=0)
 
     def alloc(self, length: int) -> SlotRef | None:
         """A slot of exactly length bytes at an aligned offset, or None when no extent fits."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import NamedTuple, Protocol, overload, runtime_checkable
+from typing import Any, NamedTuple, Protocol, overload, runtime_checkable
 
 import msgspec
 
@@ -228,7 +228,7 @@ class LookupResult(msgspec.Struct, frozen=True):
 
     ``slots`` holds the arena slot of every hit already in the CPU tier (None for lower-tier hits), so a
     caller whose hits are all in memory can copy without a stage() round trip. (A frozen msgspec
-    Struct, not a frozen dataclass: made in C, about 8x faster, and a client makes one per lookup.)
+    Struct, not a frozen dataclass: made in C, and a client makes one per lookup.)
     """
 
     num_hit: int
@@ -352,37 +352,47 @@ class ArenaInfo:
 class StoreAPI(Protocol):
     """What the service calls on the tiered store. Runs on the service's event loop, never blocks it.
 
+    One method per operation, and its type says whether it waits. A plain method (register,
+    release, reserve, commit, abort) never waits for I/O and returns its answer. A coroutine method
+    (stage, delete, clear, close) may wait for the lower tiers. ``lookup`` is the one call that is
+    either: it returns its LookupResult at once when the CPU tier decides it (every chunk asked for
+    is there, or no lower tier exists), else a coroutine that asks the lower tiers and returns it.
+    That coroutine has changed nothing until it runs; the caller awaits it in a Task (tier calls use
+    ``asyncio.timeout``). So a lookup answered from memory costs no Task; tell the two apart with
+    ``type(answer) is LookupResult``.
+
     Leases: ``lookup(..., lease_id)`` takes or replaces the lease ``lease_id`` on the hit chunks, which
     keeps them from eviction in every tier until ``release(lease_id)``, or until ``lease_ttl`` passes.
     Slots: ``reserve`` hands out slots the caller fills; each one ends in exactly one ``commit`` or
     ``abort``. Committing does not copy: the slot becomes the CPU tier's copy of the chunk.
     """
 
-    async def register(self, spec: NamespaceSpec) -> str:
+    def register(self, spec: NamespaceSpec) -> str:
         """Register a namespace (idempotent) and return its id."""
 
     def arena_info(self) -> ArenaInfo:
         """The arena file that clients map."""
 
-    async def lookup(
+    def lookup(
         self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
-    ) -> LookupResult:
+    ) -> LookupResult | Coroutine[Any, Any, LookupResult]:
         """Count leading stored chunks, say which tier holds each, and lease them under lease_id;
-        then end the lease replaces (when set), as release(replaces) would."""
+        then end the lease replaces (when set and not lease_id), also when the lookup fails.
+        The answer itself, or a coroutine for it when a lower tier must be asked (see the class)."""
 
     async def stage(self, lease_id: str) -> StageResult:
         """Bring every chunk of the lease into an arena slot (promoting lower-tier hits)."""
 
-    async def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str) -> None:
         """End a lease (idempotent)."""
 
-    async def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
+    def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
         """A slot to fill for each key; None where the chunk is already stored or no space is left."""
 
-    async def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
+    def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
         """Publish filled slots into the CPU tier and queue them for lower tiers by the write policy."""
 
-    async def abort(self, slots: list[SlotRef]) -> None:
+    def abort(self, slots: list[SlotRef]) -> None:
         """Give reserved slots back unfilled."""
 
     async def delete(self, namespace: str, hashes: list[bytes]) -> int:
@@ -396,30 +406,3 @@ class StoreAPI(Protocol):
 
     async def close(self, drain_timeout: float = 5.0) -> None:
         """Drain queued writes within the timeout, then release tiers and the arena."""
-
-
-@runtime_checkable
-class ImmediateStoreAPI(Protocol):
-    """Optional one-step forms of StoreAPI calls that never need to wait (TieredStore has them).
-
-    Each does what its async namesake does, without awaiting, so the service can answer it at once
-    instead of running a Task. ``lookup_now`` returns None, having changed nothing, when a lower
-    tier must be asked; the caller then uses ``lookup``.
-    """
-
-    def lookup_now(
-        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
-    ) -> LookupResult | None:
-        """lookup() in one step when the CPU tier alone decides it; None (nothing changed) otherwise."""
-
-    def release_now(self, lease_id: str) -> None:
-        """release() in one step."""
-
-    def reserve_now(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
-        """reserve() in one step."""
-
-    def commit_now(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
-        """commit() in one step."""
-
-    def abort_now(self, slots: list[SlotRef]) -> None:
-        """abort() in one step."""

@@ -46,12 +46,6 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probe_started = 0.0
         self.opens = 0  # times the breaker went from closed or half-open to open
-        self.refused = 0  # calls refused while open
-
-    @property
-    def state(self) -> BreakerState:
-        """Current state (an open breaker whose period passed still reads open until asked)."""
-        return self._state
 
     @property
     def closed(self) -> bool:
@@ -68,13 +62,11 @@ class CircuitBreaker:
                 self._state = BreakerState.HALF_OPEN
                 self._probe_started = now
                 return True
-            self.refused += 1
             return False
         # Half-open: one probe at a time, but a probe lost for a whole period gives way to a new one.
         if now - self._probe_started >= self.period:
             self._probe_started = now
             return True
-        self.refused += 1
         return False
 
     def record_success(self) -> None:
@@ -90,9 +82,3 @@ class CircuitBreaker:
                 self.opens += 1
             self._state = BreakerState.OPEN
             self._opened_at = self._clock()
-
-    def retry_in(self) -> float:
-        """Seconds until an open breaker lets a probe through (0 when calls are allowed now)."""
-        if self._state is not BreakerState.OPEN:
-            return 0.0
-        return max(0.0, self._opened_at + self.period - self._clock())

@@ -153,16 +153,6 @@ def encode(key: ChunkKey, payload: Buffer) -> bytes:
     return encode_header(key, payload) + bytes(payload)
 
 
-def echo_length(fixed: Buffer) -> int:
-    """Key echo length from the first FIXED_HEADER_SIZE bytes, so a scanner knows how much to read."""
-    view = memoryview(fixed).cast("B")
-    if view.nbytes < FIXED_HEADER_SIZE:
-        raise BlobError(f"truncated header: {view.nbytes} of {FIXED_HEADER_SIZE} fixed bytes")
-    magic, _version, _flags, echo_len, _size, _digest = _FIXED.unpack_from(view)
-    _check_prefix(magic, echo_len)
-    return int(echo_len)
-
-
 def _check_prefix(magic: bytes, echo_len: int) -> None:
     if magic != MAGIC:
         raise BlobError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")

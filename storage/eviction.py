@@ -2,13 +2,13 @@
 it.
 
 The policy only keeps order and sizes. Whether an entry may go (leased, queued for a write) is the
-tier's knowledge, passed in as a predicate, so the same policy serves the CPU and disk tiers.
+tier's knowledge, passed in as a predicate: the policy knows nothing of slots, leases or writes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import compress, islice, repeat
 from operator import not_
 from typing import Generic, TypeVar
@@ -21,28 +21,13 @@ class LRUPolicy(Generic[K]):
 
     def __init__(self) -> None:
         self._order: OrderedDict[K, int] = OrderedDict()  # first = least recently used
-        self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    @property
-    def total_bytes(self) -> int:
-        """Sum of the sizes of every tracked key."""
-        return self._bytes
 
     def add(self, key: K, nbytes: int) -> None:
         """Track key as most recently used (re-adding replaces its size)."""
         if nbytes < 0:
             raise ValueError(f"negative size {nbytes}")
-        old = self._order.pop(key, None)
-        if old is not None:
-            self._bytes -= old
+        self._order.pop(key, None)
         self._order[key] = nbytes
-        self._bytes += nbytes
 
     def touch(self, key: K) -> bool:
         """Mark key most recently used (a hit); False when it is not tracked."""
@@ -73,23 +58,14 @@ class LRUPolicy(Generic[K]):
                 self.add(key, nbytes)
             return
         order.update(zip(keys, repeat(nbytes)))
-        self._bytes += nbytes * len(keys)
 
     def remove(self, key: K) -> bool:
         """Stop tracking key; False when it was not tracked."""
-        nbytes = self._order.pop(key, None)
-        if nbytes is None:
-            return False
-        self._bytes -= nbytes
-        return True
+        return self._order.pop(key, None) is not None
 
     def remove_many(self, keys: Iterable[K]) -> None:
         """Stop tracking keys, every one of them tracked (KeyError otherwise)."""
-        self._bytes -= sum(map(self._order.pop, keys))
-
-    def iter_lru(self) -> Iterator[K]:
-        """Keys from least to most recently used (do not mutate while iterating)."""
-        return iter(self._order)
+        deque(map(self._order.pop, keys), maxlen=0)
 
     def victims(self, need_bytes: int, pinned: Callable[[K], object]) -> list[K]:
         """LRU-first unpinned keys whose sizes add up to need_bytes; [] when they cannot.

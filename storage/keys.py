@@ -9,12 +9,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
+from itertools import repeat
+from typing import cast
 
 from kvtier.storage.base import ChunkKey, NamespaceSpec
 
 NAMESPACE_HEX_CHARS = 16
 REDIS_PREFIX = "kvtier"
 DISK_SUFFIX = ".kvt"
+_new_tuple = tuple.__new__  # ChunkKey without its Python-level __new__
 
 
 def namespace_id(spec: NamespaceSpec) -> str:
@@ -35,13 +39,11 @@ def _check_spec(spec: NamespaceSpec) -> None:
         raise ValueError(f"num_layers and page_bytes must be positive, got {spec}")
 
 
-def chunk_key(namespace: str, prefix_hash: bytes) -> ChunkKey:
-    """The key of the chunk whose last block has this chained hash."""
-    return ChunkKey(namespace, bytes(prefix_hash))
-
-
-def chunk_keys(namespace: str, hashes: list[bytes]) -> list[ChunkKey]:
+def chunk_keys(namespace: str, hashes: Sequence[bytes]) -> list[ChunkKey]:
     """Keys for a list of prefix hashes, in order."""
+    if set(map(type, hashes)) <= {bytes}:
+        # Built in C: ChunkKey's own __new__ is Python code, run once per chunk otherwise.
+        return cast("list[ChunkKey]", list(map(_new_tuple, repeat(ChunkKey), zip(repeat(namespace), hashes))))
     return [ChunkKey(namespace, bytes(h)) for h in hashes]
 
 

@@ -62,9 +62,6 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def __contains__(self, lease_id: object) -> bool:
-        return lease_id in self._leases
-
     def new(
         self,
         lease_id: str,

@@ -1,9 +1,11 @@
-"""The tiered store: lookup with leases, staging (promotion), reserve/commit, and the write policy.
+"""The tiered store: lookups and their leases over every tier, and the StoreAPI the service calls.
 
 Who owns what: the service's event loop owns the store and everything in it (namespaces,
-reservations, CPU index, leases, write queue); nothing here is touched from another thread. The
-store owns the arena and the lower tiers it is given and closes them in ``close()``. Lower tiers do
-their own I/O off the loop; the store moves no payload bytes itself.
+reservations, CPU index, leases, promotions, write queue); nothing here is touched from another
+thread. The store owns the arena and the lower tiers it is given and closes them in ``close()``.
+Lower tiers do their own I/O off the loop; the store moves no payload bytes itself. Saving
+(reserve, commit, abort, the write policy) lives in ``storage.reservations`` and staging (promotion
+of lower-tier hits) in ``storage.staging``: the store hands each its CPU tier and its books.
 
 Pins: a CPU chunk is pinned (never evicted, its slot never reused) by every lease that holds it and
 by its queued lower-tier write. A lower-tier hit is pinned in its tier by the lease until it is
@@ -13,11 +15,6 @@ Recency: a leased chunk is in use until its lease lets go of it (released, repla
 that no longer finds it, expired), and only then can it be evicted, so that is when it becomes the
 most recently used chunk; a lookup itself does not reorder the LRU. Repeated lookups of a waiting
 request then cost no per-chunk LRU work, and the order is that of last use.
-
-Deduplication (``reserve``): a key gets no slot when it is in the CPU index, already reserved, or in
-the write queue. Lower tiers are not asked: that would put a round trip on every save, and a chunk
-that is being saved again while a lower tier holds it is rare (the connector only saves what lookup
-missed).
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from itertools import repeat
-from operator import itemgetter
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
 
 from kvtier.storage.arena import Arena, SlotAllocator
@@ -45,7 +38,6 @@ from kvtier.storage.base import (
     NamespaceSpec,
     SlotList,
     SlotRef,
-    SlotStateError,
     StageResult,
     StorageError,
     StoreStats,
@@ -55,32 +47,15 @@ from kvtier.storage.base import (
 from kvtier.storage.config import StorageConfig, StoreConfig
 from kvtier.storage.keys import chunk_keys, namespace_id
 from kvtier.storage.leases import Lease, LeaseTable
+from kvtier.storage.reservations import Reservations
+from kvtier.storage.staging import Stager
 from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
 from kvtier.storage.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-# Builds a ChunkKey in C: its own __new__ is Python code, which a 64-chunk call would run 64 times.
-_new_tuple = tuple.__new__
 _CPU = Tier.CPU  # an Enum member read through its class costs a Python-level lookup each time
-# C-level getters for map() over tuples: no bytecode per chunk.
-_first = itemgetter(0)  # a reservation's key, a ChunkKey's namespace, a SlotRef's offset
-_second = itemgetter(1)  # a reservation's slot, a ChunkKey's prefix hash
-
-
-_Reservation = tuple[ChunkKey, SlotRef]  # a plain tuple: zip() builds them in C, 64 at a time
-
-
-@dataclass(slots=True, eq=False)
-class _Promotion:
-    """One chunk being read from a lower tier, and the (lease, index) pairs waiting for it."""
-
-    key: ChunkKey
-    tier: Tier
-    waiters: list[tuple[Lease, int]] = field(default_factory=list)
-    task: asyncio.Task[None] | None = None
-    deleted: bool = False  # delete() ran during the read: do not publish it
 
 
 class TieredStore:
@@ -95,7 +70,6 @@ class TieredStore:
     ) -> None:
         cfg = config or StoreConfig()
         self._arena = arena
-        self._cfg = cfg
         self._cpu = CpuTier(SlotAllocator(arena.size))
         self._lower = sorted(lower, key=lambda t: t.tier)
         self._tier_of: dict[Tier, LowerTier] = {t.tier: t for t in self._lower}
@@ -107,12 +81,11 @@ class TieredStore:
             self._writeback = WriteBack(
                 self._lower, arena.view, self._write_done, cfg.write_queue_size, cfg.write_workers
             )
-        self._namespaces: dict[str, NamespaceSpec] = {}
-        self._chunk_bytes: dict[str, int] = {}  # namespace -> chunk_bytes (a computed property)
-        self._reserved: dict[int, _Reservation] = {}  # slot offset -> (key, slot)
-        self._reserving: dict[ChunkKey, int] = {}  # key -> offset of its reserved slot
-        self._promotions: dict[ChunkKey, _Promotion] = {}  # reads from lower tiers in flight
-        self._reserve_dropped = 0
+        self._chunk_bytes: dict[str, int] = {}  # registered namespace -> its chunk_bytes
+        self._saves = Reservations(self._cpu, self._writeback, cfg.write_policy)
+        self._stager = Stager(
+            arena, self._cpu, self._leases, self._tier_of, self._chunk_bytes, self._unpin_lower
+        )
         self._closed = False
 
     # ------------------------------------------------------------------------------------ basics
@@ -132,7 +105,7 @@ class TieredStore:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def register(self, spec: NamespaceSpec) -> str:
+    def register(self, spec: NamespaceSpec) -> str:
         """Register a namespace (idempotent) and return its id."""
         self._check_open()
         ns = namespace_id(spec)
@@ -140,7 +113,6 @@ class TieredStore:
             raise ArenaError(
                 f"a chunk of {spec.chunk_bytes} bytes does not fit the arena of {self._arena.size}"
             )
-        self._namespaces[ns] = spec
         self._chunk_bytes[ns] = spec.chunk_bytes
         return ns
 
@@ -152,15 +124,8 @@ class TieredStore:
         if self._closed:
             raise StorageError("the store is closed")
 
-    def _spec(self, namespace: str) -> NamespaceSpec:
-        self._check_open()
-        spec = self._namespaces.get(namespace)
-        if spec is None:
-            raise UnknownNamespaceError(f"namespace {namespace!r} is not registered")
-        return spec
-
     def _chunk_bytes_of(self, namespace: str) -> int:
-        """The chunk size of a registered namespace (_spec() for the hot path)."""
+        """The chunk size of a registered namespace; raises when it is not, or the store is closed."""
         if self._closed:
             raise StorageError("the store is closed")
         size = self._chunk_bytes.get(namespace)
@@ -173,33 +138,27 @@ class TieredStore:
             self._unpin_lease(lease)
 
     # ------------------------------------------------------------------------------------ lookup
-    async def lookup(
+    def lookup(
         self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
-    ) -> LookupResult:
+    ) -> LookupResult | Coroutine[Any, Any, LookupResult]:
         """Count leading stored chunks, say which tier holds each, and lease them under lease_id;
-        then end the lease replaces (when set), as release(replaces) would."""
-        chunk_bytes = self._chunk_bytes_of(namespace)
-        self._expire()
-        if not self._lower:
-            return self._lease_cpu_prefix(
-                chunk_bytes, lease_id, self._cpu.prefix(namespace, hashes), len(hashes), replaces
-            )
-        entries = self._cpu.entries(namespace, hashes)
-        if None not in entries:
-            hits = cast("list[CpuEntry]", entries)
+        then end the lease replaces (when set and not lease_id), also when the lookup fails.
+        The answer itself, or a coroutine for it when a lower tier must be asked (see StoreAPI)."""
+        try:
+            chunk_bytes = self._chunk_bytes_of(namespace)
+            hits = self._cpu.prefix(namespace, hashes)
+            if self._lower and len(hits) < len(hashes):
+                return self._lookup_lower(namespace, hashes, lease_id, replaces)
+            self._expire()
             return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
-        return await self._lookup_lower(namespace, hashes, lease_id, entries, replaces)
+        except BaseException:
+            self._end_replaced(lease_id, replaces)
+            raise
 
-    def lookup_now(
-        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str = ""
-    ) -> LookupResult | None:
-        """lookup() in one step when the CPU tier alone decides it; None (nothing changed) otherwise."""
-        chunk_bytes = self._chunk_bytes_of(namespace)
-        hits = self._cpu.prefix(namespace, hashes)
-        if self._lower and len(hits) < len(hashes):
-            return None  # a lower tier must be asked: only lookup() can wait for it
-        self._expire()
-        return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
+    def _end_replaced(self, lease_id: str, replaces: str) -> None:
+        """A lookup that failed still ends the lease it replaces: its caller has let go of it."""
+        if replaces and replaces != lease_id and not self._closed:
+            self.release(replaces)
 
     def _lease_cpu_prefix(
         self, chunk_bytes: int, lease_id: str, hits: list[CpuEntry], asked: int, replaces: str
@@ -218,9 +177,7 @@ class TieredStore:
             for old in olds:
                 self._unpin_lease(old)
             return LookupResult(0, [], [])
-        if self._writeback is not None:
-            for entry in hits:
-                self._persist(entry)  # 'on_reuse' trigger; retries a dropped write
+        self._saves.persist_all(hits)
         slots = self._lease_entries(lease_id, hits, olds, chunk_bytes)
         return LookupResult(num_hit, [_CPU] * num_hit, slots)
 
@@ -253,10 +210,8 @@ class TieredStore:
             self._cpu.pin_entries(hits)  # before the old leases let go: shared chunks stay pinned
             pinned, keys = cast("list[CpuEntry | None]", hits), [e.key for e in hits]
         if slots is None:
-            # Packed offsets and one length, as the service sends them (here and in
-            # _lookup_lower): the slots of a namespace's chunks are all chunk_bytes long (reserved
-            # so, and committed only into their own namespace). A comprehension, not
-            # map(attrgetter): 3.11 reads a struct field faster inline.
+            # Packed offsets and one length, as the service sends them: a namespace's slots are all
+            # chunk_bytes long. A comprehension: 3.11 reads a struct field faster than attrgetter.
             slots = SlotList.from_packed(b"".join([e.packed for e in hits]), chunk_bytes)
         n = len(hits)
         leases = self._leases
@@ -267,15 +222,33 @@ class TieredStore:
         return slots
 
     async def _lookup_lower(
+        self, namespace: str, hashes: list[bytes], lease_id: str, replaces: str
+    ) -> LookupResult:
+        """lookup() when lower tiers may hold chunks the CPU tier lacks (run when awaited: the CPU
+        tier is read again here, as it may have changed since lookup() returned)."""
+        try:
+            chunk_bytes = self._chunk_bytes_of(namespace)
+            self._expire()
+            entries = self._cpu.entries(namespace, hashes)
+            if None not in entries:  # stored meanwhile: the CPU tier decides after all
+                hits = cast("list[CpuEntry]", entries)
+                return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
+            return await self._lease_lower_prefix(
+                chunk_bytes, chunk_keys(namespace, hashes), lease_id, entries, replaces
+            )
+        except BaseException:
+            self._end_replaced(lease_id, replaces)
+            raise
+
+    async def _lease_lower_prefix(
         self,
-        namespace: str,
-        hashes: list[bytes],
+        chunk_bytes: int,
+        keys: list[ChunkKey],
         lease_id: str,
         entries: list[CpuEntry | None],
         replaces: str,
     ) -> LookupResult:
-        """lookup() when lower tiers may hold chunks the CPU tier lacks."""
-        keys = _chunk_keys(namespace, hashes)
+        """Ask the lower tiers for the keys the CPU tier lacks, then lease the stored prefix."""
         tiers: list[Tier | None] = [None if e is None else Tier.CPU for e in entries]
         held = [e for e in entries if e is not None]
         self._cpu.pin_entries(held)  # held across the lower-tier awaits, trimmed below
@@ -288,11 +261,13 @@ class TieredStore:
         self._cpu.unpin_entries(e for e in entries[num_hit:] if e is not None)
         hit_tiers = [t for t in tiers[:num_hit] if t is not None]
         hits = entries[:num_hit]
-        self._count_cpu_lookup(keys, hit_tiers, len(keys))
+        cpu_hits = hit_tiers.count(Tier.CPU)
+        # The CPU tier answered for the prefix and for the key that ended it.
+        self._cpu.count_lookup(cpu_hits, cpu_hits * chunk_bytes, min(num_hit + 1, len(keys)) - cpu_hits)
         for key, tier in zip(keys, hit_tiers, strict=False):  # keys may run past the prefix
             if tier is Tier.CPU:
                 self._cpu.touch(key)
-                self._persist(self._cpu.entry(key))  # 'on_reuse' trigger; retries a dropped write
+                self._saves.persist(self._cpu.entry(key))  # 'on_reuse' trigger; retries a dropped write
         lower_pinned = self._pin_lower(keys[:num_hit], hit_tiers)
         olds = self._pop_leases(lease_id, replaces)
         if num_hit:
@@ -300,7 +275,7 @@ class TieredStore:
         for old in olds:
             self._unpin_lease(old)
         packed = b"".join([NO_SLOT_PACKED if e is None else e.packed for e in hits])
-        return LookupResult(num_hit, hit_tiers, SlotList.from_packed(packed, self._chunk_bytes_of(namespace)))
+        return LookupResult(num_hit, hit_tiers, SlotList.from_packed(packed, chunk_bytes))
 
     async def _probe_lower(self, keys: list[ChunkKey], tiers: list[Tier | None]) -> None:
         """Fill tiers[i] for keys missing so far, one batched contains_many per lower tier."""
@@ -317,16 +292,14 @@ class TieredStore:
                 if present:
                     tiers[i] = tier.tier
 
-    def _count_cpu_lookup(self, keys: list[ChunkKey], hit_tiers: list[Tier], n: int) -> None:
-        # The CPU tier answered for the prefix and for the key that ended it.
-        hits = sum(1 for t in hit_tiers if t is Tier.CPU)
-        hit_bytes = sum(
-            self._namespaces[k.namespace].chunk_bytes
-            for k, t in zip(keys, hit_tiers, strict=False)
-            if t is Tier.CPU
-        )
-        asked = min(len(hit_tiers) + 1, n)
-        self._cpu.count_lookup(hits, hit_bytes, asked - hits)
+    # ------------------------------------------------------------------------------------ leases
+    def release(self, lease_id: str) -> None:
+        """End a lease (idempotent)."""
+        self._check_open()
+        lease = self._leases.pop(lease_id)
+        if lease is not None:
+            self._unpin_lease(lease)
+        self._expire()
 
     def _pin_lower(self, keys: list[ChunkKey], tiers: list[Tier]) -> list[bool]:
         pinned = [False] * len(keys)
@@ -366,19 +339,6 @@ class TieredStore:
         except Exception:
             log.exception("unpin on tier %s raised", tier_id.label)
 
-    async def release(self, lease_id: str) -> None:
-        """End a lease (idempotent)."""
-        self.release_now(lease_id)
-
-    def release_now(self, lease_id: str) -> None:
-        """release() in one step."""
-        self._check_open()
-        lease = self._leases.pop(lease_id)
-        if lease is not None:
-            self._unpin_lease(lease)
-        self._expire()
-
-    # ------------------------------------------------------------------------------------ stage
     async def stage(self, lease_id: str) -> StageResult:
         """Bring every chunk of the lease into an arena slot (promoting lower-tier hits)."""
         self._check_open()
@@ -386,243 +346,42 @@ class TieredStore:
         lease = self._leases.get(lease_id)
         if lease is None:
             return StageResult([], [], [])
-        self._leases.renew(lease)
-        tasks: set[asyncio.Task[None]] = set()
-        for i in range(len(lease)):
-            if lease.pinned[i] is not None or i in lease.failed:
-                continue
-            key = lease.keys[i]
-            existing = self._cpu.entry(key)
-            if existing is not None:  # saved or promoted by someone else since the lookup
-                self._adopt(lease, i, existing)
-                continue
-            promo = self._promotions.get(key)
-            if promo is None:  # one read per key, however many leases wait for it
-                promo = _Promotion(key, lease.tiers[i])
-                self._promotions[key] = promo
-                promo.task = asyncio.create_task(self._promote(promo), name="kvtier-promote")
-            if not any(w is lease and j == i for w, j in promo.waiters):
-                promo.waiters.append((lease, i))
-            if promo.task is not None:
-                tasks.add(promo.task)
-        if tasks:
-            # Not cancelled with this call: each promotion publishes or frees its slot when its read
-            # ends, and hands the result to every lease still waiting for it at that moment.
-            await asyncio.wait(tasks)
-        if not self._leases.is_current(lease):
-            return StageResult([], [], [])  # released or replaced meanwhile: its slots are not held
-        slots = [None if e is None else e.slot for e in lease.pinned]
-        return StageResult(slots, list(lease.tiers), sorted(lease.failed))
-
-    async def _promote(self, promo: _Promotion) -> None:
-        """Read one chunk from its lower tier into a fresh slot and make it a CPU chunk."""
-        key = promo.key
-        slot: SlotRef | None = None
-        ok = False
-        try:
-            slot = self._cpu.reserve(self._namespaces[key.namespace].chunk_bytes)
-            if slot is None:
-                self._cpu.count_error("full")
-                return
-            ok = await self._read_into(self._tier_of[promo.tier], key, slot)
-        finally:
-            del self._promotions[key]
-            if slot is not None and ok and not promo.deleted:
-                self._cpu.commit(key, slot, persisted=True)  # frees slot if key arrived meanwhile
-            elif slot is not None:
-                self._cpu.free(slot)
-            held = self._cpu.entry(key)
-            for lease, i in promo.waiters:
-                if held is not None:
-                    self._adopt(lease, i, held)
-                else:
-                    self._fail(lease, i)
-
-    async def _read_into(self, tier: LowerTier, key: ChunkKey, slot: SlotRef) -> bool:
-        view = self._arena.view(slot)
-        try:
-            return await tier.get_into(key, view) is True
-        except Exception:
-            log.exception("get_into of tier %s raised", tier.tier.label)
-            return False
-        finally:
-            with contextlib.suppress(BufferError):
-                view.release()
-
-    def _adopt(self, lease: Lease, i: int, entry: CpuEntry) -> None:
-        """Chunk i of lease now lives in a CPU slot: the lease pins it there instead of below."""
-        if not self._leases.is_current(lease):
-            return  # released meanwhile: its pins are gone, the promoted chunk stays unpinned
-        self._cpu.pin_entries((entry,))
-        lease.pinned[i] = entry
-        if lease.lower_pinned[i]:
-            lease.lower_pinned[i] = False
-            self._unpin_lower(lease.tiers[i], [lease.keys[i]])
-
-    def _fail(self, lease: Lease, i: int) -> None:
-        if not self._leases.is_current(lease):
-            return
-        lease.failed.add(i)
-        if lease.lower_pinned[i]:
-            lease.lower_pinned[i] = False
-            self._unpin_lower(lease.tiers[i], [lease.keys[i]])
+        return await self._stager.stage(lease)
 
     # ------------------------------------------------------------------------------------ saving
-    async def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
+    def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
         """A slot to fill for each key; None where the chunk is already stored or no space is left.
 
-        Dedup: see the module docstring. A None for lack of space is counted in reserve_dropped.
+        Dedup: see storage.reservations. A None for lack of space is counted in reserve_dropped.
         """
-        return self.reserve_now(namespace, hashes)
-
-    def reserve_now(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
-        """reserve() in one step."""
         chunk_bytes = self._chunk_bytes_of(namespace)
-        self._expire()
-        keys = _chunk_keys(namespace, hashes)
-        stored = self._cpu.entries(namespace, hashes)
-        if self._all_new(keys, stored):
-            return self._reserve_all(keys, chunk_bytes)
-        reserving, reserved = self._reserving, self._reserved
-        queued = self._writeback.pending if self._writeback is not None else None
-        out: list[SlotRef | None] = [None] * len(keys)
-        wanted: dict[ChunkKey, int] = {}  # key -> index of its first occurrence in this call
-        again: list[ChunkKey] = []  # later occurrences: they get a slot only if the first did not
-        for i, key in enumerate(keys):
-            if key in wanted:
-                again.append(key)
-            elif stored[i] is None and key not in reserving and (queued is None or not queued(key)):
-                wanted[key] = i
-        slots = self._cpu.reserve_many(chunk_bytes, len(wanted))
-        for (key, i), slot in zip(wanted.items(), slots, strict=True):
-            if slot is None:
-                self._reserve_dropped += 1
-                continue
-            reserved[slot.offset] = (key, slot)
-            reserving[key] = slot.offset
-            out[i] = slot
-        # A repeat of a key whose first occurrence found no space would have found none either.
-        self._reserve_dropped += sum(1 for key in again if out[wanted[key]] is None)
-        return out
+        self._expire()  # the chunks of expired leases may make room
+        return self._saves.reserve(namespace, hashes, chunk_bytes)
 
-    def _all_new(self, keys: list[ChunkKey], stored: list[CpuEntry | None]) -> bool:
-        """True when no key is stored, reserved, queued for a write or asked for twice (a save)."""
-        if stored.count(None) != len(keys) or len(set(keys)) != len(keys):
-            return False
-        if not self._reserving.keys().isdisjoint(keys):
-            return False
-        return self._writeback is None or not any(map(self._writeback.pending, keys))
-
-    def _reserve_all(self, keys: list[ChunkKey], chunk_bytes: int) -> list[SlotRef | None]:
-        """reserve_now() for keys that are all new, in C-level passes while every key gets a slot."""
-        slots = self._cpu.reserve_many(chunk_bytes, len(keys))
-        granted = list(filter(None, slots))  # a SlotRef is a non-empty tuple: always true
-        if len(granted) != len(slots):  # out of space for some: record those that got one
-            self._reserve_dropped += len(slots) - len(granted)
-            pairs = [(k, s) for k, s in zip(keys, slots, strict=True) if s is not None]
-            keys = list(map(_first, pairs))
-        else:
-            pairs = list(zip(keys, granted, strict=True))
-        offsets = list(map(_first, granted))
-        self._reserved.update(zip(offsets, pairs, strict=True))
-        self._reserving.update(zip(keys, offsets, strict=True))
-        return slots
-
-    async def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
+    def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
         """Publish filled slots into the CPU tier; queue them for lower tiers per write policy."""
-        self.commit_now(namespace, hashes, slots)
-
-    def commit_now(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
-        """commit() in one step."""
         self._chunk_bytes_of(namespace)
-        if len(hashes) != len(slots):
-            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots")
-        keys = self._check_reserved(slots, namespace, hashes)
-        self._unreserve(slots)
-        entries = self._cpu.commit_many(keys, slots, checked=True)  # reserved: allocated, uncommitted
-        if self._cfg.write_policy == "through" and self._writeback is not None:
-            for entry in entries:
-                self._persist(entry)
+        self._saves.commit(namespace, hashes, slots)
 
-    async def abort(self, slots: list[SlotRef]) -> None:
+    def abort(self, slots: list[SlotRef]) -> None:
         """Give reserved slots back unfilled."""
-        self.abort_now(slots)
-
-    def abort_now(self, slots: list[SlotRef]) -> None:
-        """abort() in one step."""
         self._check_open()
-        self._check_reserved(slots)
-        self._unreserve(slots)
-        for slot in slots:
-            self._cpu.free(slot)
-
-    def _check_reserved(
-        self, slots: list[SlotRef], namespace: str = "", hashes: list[bytes] | None = None
-    ) -> list[ChunkKey]:
-        """The keys slots are reserved for (each for its hash, when given); raises before changing
-        anything when one is not."""
-        offsets = list(map(_first, slots))
-        found: list[Any] = list(map(self._reserved.get, offsets))
-        try:
-            keys: list[ChunkKey] = list(map(_first, found))
-        except TypeError:  # a None: some slot is not reserved; see which below
-            return self._check_each_reserved(slots, namespace, hashes)
-        # Whole lists compared in C; the reservations' own keys: no new key object per chunk.
-        if (
-            list(map(_second, found)) != list(slots)
-            or len(set(offsets)) != len(offsets)
-            or (hashes is not None and not _keys_match(keys, namespace, hashes))
-        ):
-            return self._check_each_reserved(slots, namespace, hashes)
-        return keys
-
-    def _check_each_reserved(
-        self, slots: list[SlotRef], namespace: str, hashes: list[bytes] | None
-    ) -> list[ChunkKey]:
-        """_check_reserved(), slot by slot: raises for the first slot that is not reserved."""
-        reserved = self._reserved
-        keys: list[ChunkKey] = []
-        seen: set[int] = set()
-        for i, slot in enumerate(slots):
-            res = reserved.get(slot.offset)
-            if res is None or res[1] != slot or slot.offset in seen:
-                raise SlotStateError(f"{slot} is not a reserved slot")
-            if hashes is not None and res[0] != (namespace, hashes[i]):
-                raise SlotStateError(f"{slot} was reserved for another chunk")
-            seen.add(slot.offset)
-            keys.append(res[0])
-        return keys
-
-    def _unreserve(self, slots: list[SlotRef]) -> None:
-        """Forget the reservations of these (checked) slots."""
-        found = list(map(self._reserved.pop, map(_first, slots)))
-        deque(map(self._reserving.__delitem__, map(_first, found)), maxlen=0)
-
-    def _persist(self, entry: CpuEntry | None) -> None:
-        """Queue a CPU chunk for the lower tiers once; its slot stays pinned until written."""
-        if entry is None or entry.persisted or self._writeback is None:
-            return
-        self._cpu.pin(entry.slot)
-        if self._writeback.offer(entry.key, entry.slot):
-            entry.persisted = True
-        else:
-            self._cpu.unpin(entry.slot)
+        self._saves.abort(slots)
 
     def _write_done(self, key: ChunkKey, slot: SlotRef) -> None:
+        """A queued write ended: its slot loses the pin Reservations.persist took."""
         self._cpu.unpin(slot)
 
     # ------------------------------------------------------------------------------------ removal
     async def delete(self, namespace: str, hashes: list[bytes]) -> int:
         """Remove these chunks from every tier (leased ones too); returns how many were found."""
-        self._spec(namespace)
+        self._chunk_bytes_of(namespace)
         keys = chunk_keys(namespace, hashes)
         found = [self._cpu.remove(k) for k in keys]
-        for key in keys:
-            if self._writeback is not None:
+        if self._writeback is not None:
+            for key in keys:
                 self._writeback.cancel(key)
-            promo = self._promotions.get(key)
-            if promo is not None:
-                promo.deleted = True
+        self._stager.forget(keys)
         for tier in self._lower:
             present = await self._contains(tier, keys)
             found = [a or b for a, b in zip(found, present, strict=True)]
@@ -674,8 +433,8 @@ class TieredStore:
             slots_total_bytes=alloc.used_bytes,
             write_queue_depth=wb.depth if wb else 0,
             writes_dropped=wb.dropped if wb else 0,
-            namespaces=len(self._namespaces),
-            reserve_dropped=self._reserve_dropped,
+            namespaces=len(self._chunk_bytes),
+            reserve_dropped=self._saves.dropped,
         )
 
     async def close(self, drain_timeout: float = 5.0) -> None:
@@ -688,7 +447,7 @@ class TieredStore:
         try:
             if self._writeback is not None:
                 await self._writeback.close(drain_timeout)
-            await self._settle_promotions(max(deadline - loop.time(), 0.0))
+            await self._stager.settle(max(deadline - loop.time(), 0.0))
             for lease in self._leases.drain():
                 self._unpin_lease(lease)
             for tier in self._lower:
@@ -698,33 +457,6 @@ class TieredStore:
                     log.exception("closing tier %s failed", tier.tier.label)
         finally:
             self._arena.close()
-
-    async def _settle_promotions(self, budget_s: float) -> None:
-        tasks = [p.task for p in self._promotions.values() if p.task is not None]
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=budget_s)
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-def _keys_match(keys: list[ChunkKey], namespace: str, hashes: list[bytes]) -> bool:
-    """True when keys are namespace's keys of hashes, in order (compared in C)."""
-    return list(map(_first, keys)).count(namespace) == len(keys) and list(map(_second, keys)) == list(hashes)
-
-
-def _chunk_keys(namespace: str, hashes: list[bytes]) -> list[ChunkKey]:
-    """chunk_keys(), built in C when every hash is bytes already (as the service decodes them).
-
-    A NamedTuple's own __new__ is Python code: a 64-chunk reserve spent more time building its
-    keys than using them. tuple.__new__ builds the same ChunkKey without it (see _new_tuple).
-    """
-    if set(map(type, hashes)) <= {bytes}:
-        return cast("list[ChunkKey]", list(map(_new_tuple, repeat(ChunkKey), zip(repeat(namespace), hashes))))
-    return chunk_keys(namespace, hashes)
 
 
 async def build_store(config: StorageConfig, clock: Clock = time.monotonic) -> TieredStore:

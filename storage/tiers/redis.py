@@ -283,6 +283,9 @@ class RedisTier:
             return bool(await self._timed(self._client.ping()))
 
         await self._guarded(ping, False)
+        # TLS and cluster URLs take redis-py's path, which moves a chunk slower: say which one runs.
+        path = "kvtier's raw connections" if self.fast_path else "redis-py"
+        log.info("redis tier %s: GET and SET through %s", self.url_for_logs, path)
 
     async def contains_many(self, keys: list[ChunkKey]) -> list[bool]:
         """EXISTS for every key in one pipeline (one per shard, concurrently, on a cluster)."""

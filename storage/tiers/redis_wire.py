@@ -39,8 +39,8 @@ _DRAIN_CHUNK = 1 << 20
 _MAX_DRAIN = 64 << 20
 # Values above RANGE_PIECE are read in slices of that size, WINDOW_PIECES of them requested ahead
 # (see RawConnection._read_slices): the next slice is copied by the server while this side receives
-# the current one, and with 2 MiB of reply buffers per connection its allocator reuses them (8
-# connections with 4 in flight each already saw page faults again; 1 vs 2 vs 4: within noise).
+# the current one, and with 2 MiB of reply buffers per connection its allocator reuses them (more
+# in flight brings page faults back: docs/performance.md).
 RANGE_PIECE = 1 << 20
 WINDOW_PIECES = 2
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
@@ -285,7 +285,7 @@ class RawConnection:
         copies the next slices while this side receives earlier ones, and no connection holds
         more than a few slices of reply buffers there. One GET of a value of 8 MiB or more instead
         makes it copy the whole value into one buffer that its allocator (jemalloc's
-        oversize_threshold) maps fresh for every reply: page faults at ~1 GB/s, and no overlap.
+        oversize_threshold) maps fresh for every reply: page faults, and no overlap.
         """
         hsize = codec.header_size(key)
         offsets = range(0, dest.nbytes, RANGE_PIECE)
@@ -316,7 +316,7 @@ class RawConnection:
                 return None
             self._read_into(part)
             self._expect_crlf()
-            hasher.update(part)  # while the slice is still in cache: ~10% less CPU per GET
+            hasher.update(part)  # while the slice is still in cache
         intact = hasher.intdigest() == header.checksum
         if intact:
             return GetOutcome.HIT

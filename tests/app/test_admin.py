@@ -42,7 +42,7 @@ def _exercise(url: str) -> dict[str, Any]:
         client.lookup(ns, keys, "r").result(5)
         client.lookup(ns, hashes(2, "miss"), "r2").result(5)
         client.stage("r").result(5)
-        client.release("r").result(5)
+        client.release("r")
         stats: dict[str, Any] = client.stats().result(5)
         return stats
 

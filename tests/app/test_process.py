@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.app import protocol as p
 from kvtier.app.client import ServiceClient, ServiceUnavailable
 from tests.app import ROOT, SPEC, RawConn, hashes, kvtier_cmd, python_env, thread_service, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -31,16 +32,17 @@ time.sleep(60)
 """
 
 
-def test_client_killed_mid_call_leaks_no_lease_or_slot(tmp_path: Path) -> None:
+def test_client_killed_mid_call_leaks_no_slot_and_leaves_its_lease_to_a_release(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc:
         store = svc.service.store
         real_stage = store.stage
+        gate = asyncio.Event()
 
-        async def slow_stage(lease_id: str) -> Any:
-            await asyncio.sleep(0.5)
+        async def held_stage(lease_id: str) -> Any:
+            await gate.wait()
             return await real_stage(lease_id)
 
-        store.stage = slow_stage  # type: ignore[method-assign]
+        store.stage = held_stage  # type: ignore[method-assign]
         victim = subprocess.Popen(
             [sys.executable, "-c", VICTIM, svc.url],
             env=python_env(),
@@ -56,12 +58,18 @@ def test_client_killed_mid_call_leaks_no_lease_or_slot(tmp_path: Path) -> None:
         finally:
             victim.kill()
             victim.wait(10)
-        stats = svc.wait_for(
-            lambda: (s := svc.service.stats())["leases_active"] == 0 and s["slots_in_use"] == 4 and s
-        )
+        assert svc.wait_for(lambda: svc.service.connection_count == 0)
+        assert svc.call(svc.service.owned) == (1, 3)  # its call in flight ends first
+        svc.call(gate.set)
+        stats = svc.wait_for(lambda: (s := svc.service.stats())["slots_in_use"] == 4 and s)
         assert stats, svc.call(svc.service.stats)
-        assert svc.call(svc.service.owned) == (0, 0)
         assert stats["tiers"]["cpu"]["chunks"] == 4
+        # Its lease outlives it (a worker may still copy from its slots) until released or expired.
+        assert svc.call(svc.service.owned) == (1, 0)
+        with RawConn(svc.url) as worker:
+            worker.hello()
+            assert worker.call(p.Release(id=2, lease_id="victim-lease")) == p.OkReply(id=2)
+        assert svc.call(svc.service.owned) == (0, 0)
 
 
 def test_sigterm_shuts_down_and_removes_socket_and_arena(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from kvtier.app import protocol as p
 from kvtier.app.address import parse_url
 from kvtier.app.client import ServiceClient
 from kvtier.app.server import ServeError, check_bind
+from kvtier.storage.arena import align_up
 from kvtier.storage.base import SlotList, Tier
 from kvtier.storage.keys import namespace_id
 from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
@@ -99,7 +100,7 @@ def test_calls_that_arrive_in_one_read_are_answered_in_one_write(tmp_path: Path)
         conn.sock.sendall(b"".join(enc.encode(m) for m in burst))  # one small send: one read there
         replies = [conn.recv() for _ in burst]
         assert [r.id for r in replies] == [m.id for m in burst]
-        assert all(isinstance(r, p.HealthReply) for r in replies)
+        assert all(isinstance(r, p.HealthOk) for r in replies)
         assert svc.call(lambda: writes.sizes) == [sum(len(enc.encode(r)) for r in replies)]
         assert conn.call(p.Health(id=30)).id == 30  # a lone call is written at once, as before
         assert svc.call(lambda: len(writes.sizes)) == 2
@@ -118,17 +119,23 @@ def test_a_refusal_in_a_burst_is_answered_before_the_connection_closes(tmp_path:
 
 
 def test_a_call_behind_one_in_flight_waits_its_turn(tmp_path: Path) -> None:
-    # Calls are answered at once only when nothing of their connection is in flight: a reserve
-    # pipelined right behind the hello that registers its namespace must still find it.
+    # Calls are answered at once only when nothing of their connection is in flight: behind a
+    # stage (a Task), a reserve pipelined right behind the hello that registers its namespace
+    # must still find it.
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)
         conn.hello()
         ns = namespace_id(SPEC)
-        conn.send(p.Hello(id=20, version=p.PROTOCOL_VERSION, spec=SPEC))
-        conn.send(p.Reserve(id=21, namespace=ns, hashes=hashes(2)))
-        replies = {r.id: r for r in (conn.recv(), conn.recv())}
-        assert replies[20].namespace == ns
-        assert isinstance(replies[21], p.ReserveReply) and all(replies[21].slots)
+        enc = p.FrameEncoder()
+        burst = [
+            p.Stage(id=19, lease_id="none"),
+            p.Hello(id=20, version=p.PROTOCOL_VERSION, spec=SPEC),
+            p.Reserve(id=21, namespace=ns, hashes=hashes(2)),
+        ]
+        conn.sock.sendall(b"".join(enc.encode(m) for m in burst))  # one read: all queued at once
+        replies = {r.id: r for r in (conn.recv(), conn.recv(), conn.recv())}
+        assert replies[19].slots == [] and replies[20].namespace == ns
+        assert isinstance(replies[21], p.ReserveOk) and all(replies[21].slots)
         conn.close()
 
 
@@ -166,10 +173,11 @@ def test_a_lookup_ends_the_lease_it_replaces_even_when_it_fails(tmp_path: Path) 
         assert isinstance(refused, p.ErrorReply) and refused.code == p.ErrorCode.UNKNOWN_NAMESPACE
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
         assert svc.call(lambda: svc.service.stats()["leases_active"]) == 0
-        # Likewise on the Task path: queued behind a hello that is still in flight.
+        # Likewise on the Task path: queued behind a stage that is still in flight.
         conn.call(p.Lookup(id=7, namespace=ns, hashes=keys, lease_id="r4"))
-        conn.send(p.Hello(id=8, version=p.PROTOCOL_VERSION, spec=SPEC))
-        conn.send(p.Lookup(id=9, namespace="0" * 16, hashes=keys, lease_id="r5", replaces="r4"))
+        enc = p.FrameEncoder()
+        refused_later = p.Lookup(id=9, namespace="0" * 16, hashes=keys, lease_id="r5", replaces="r4")
+        conn.sock.sendall(enc.encode(p.Stage(id=8, lease_id="r4")) + enc.encode(refused_later))
         replies = {r.id: r for r in (conn.recv(), conn.recv())}
         assert replies[9].code == p.ErrorCode.UNKNOWN_NAMESPACE
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
@@ -178,13 +186,13 @@ def test_a_lookup_ends_the_lease_it_replaces_even_when_it_fails(tmp_path: Path) 
 
 
 def test_a_release_that_wants_no_reply_answers_nothing_behind_a_call_in_flight(tmp_path: Path) -> None:
-    # Queued behind a hello that registers a namespace, the release runs as a Task: still no reply.
+    # Queued behind a stage (a Task), the release runs as a Task: still no reply.
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)
         conn.hello()
-        conn.send(p.Hello(id=20, version=p.PROTOCOL_VERSION, spec=SPEC))
-        conn.send(p.Release(id=21, lease_id="gone", reply=False))
-        conn.send(p.Release(id=22, lease_id="gone"))
+        enc = p.FrameEncoder()
+        burst = [p.Stage(id=20, lease_id="gone"), p.Release(id=21, lease_id="gone", reply=False)]
+        conn.sock.sendall(b"".join(enc.encode(m) for m in [*burst, p.Release(id=22, lease_id="gone")]))
         assert [conn.recv().id, conn.recv().id] == [20, 22]
         assert conn.call(p.Health(id=23)).id == 23
         conn.close()
@@ -205,7 +213,7 @@ def test_bad_frame_closes_only_that_connection(tmp_path: Path, garbage: bytes) -
         bad.hello()
         bad.sock.sendall(garbage)
         assert bad.closed_by_peer()
-        assert isinstance(good.call(p.Health(id=7)), p.HealthReply)
+        assert isinstance(good.call(p.Health(id=7)), p.HealthOk)
         kinds = svc.call(lambda: dict(svc.service.metrics.protocol_errors))
         assert sum(kinds.values()) == 1
         good.close()
@@ -247,7 +255,7 @@ def test_non_loopback_tcp_requires_a_token(tmp_path: Path) -> None:
     check_bind(parse_url("tcp://[::1]:7711"), settings_for(tmp_path))
 
 
-def test_dropped_connection_releases_its_leases_and_slots(tmp_path: Path) -> None:
+def test_a_dropped_connection_gives_back_its_reserved_slots_not_its_leases(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)
         ns = conn.hello(spec=SPEC).namespace
@@ -260,11 +268,46 @@ def test_dropped_connection_releases_its_leases_and_slots(tmp_path: Path) -> Non
         stats = svc.call(lambda: svc.service.stats())
         assert (stats["leases_active"], stats["slots_in_use"]) == (1, 7)
         conn.close()
-        stats = svc.wait_for(
-            lambda: (s := svc.service.stats())["leases_active"] == 0 and s["slots_in_use"] == 4 and s
-        )
+        stats = svc.wait_for(lambda: (s := svc.service.stats())["slots_in_use"] == 4 and s)
         assert stats and stats["tiers"]["cpu"]["chunks"] == 4
+        assert svc.call(lambda: svc.service.owned()) == (1, 0)  # the lease ends by release or expiry
+        with RawConn(svc.url) as other:
+            other.hello()
+            assert other.call(p.Release(id=2, lease_id="r1")) == p.OkReply(id=2)
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
+
+
+def test_a_lease_outlives_the_scheduler_connection_while_the_worker_copies(tmp_path: Path) -> None:
+    # The scheduler's connection takes a lease (lookup) and hands its slots to the worker, which
+    # copies from them without a call; the scheduler's connection drops meanwhile. The chunks must
+    # stay where they are until the worker releases the lease: no new save may get their slots.
+    with thread_service(tmp_path, cpu_size="1MiB") as svc:
+        sched, worker = RawConn(svc.url), RawConn(svc.url)
+        ns = sched.hello(spec=SPEC).namespace
+        worker.hello(spec=SPEC)
+        keys = hashes(4, "prompt")
+        got = sched.call(p.Reserve(id=2, namespace=ns, hashes=keys))
+        assert sched.call(p.Commit(id=3, namespace=ns, hashes=keys, slots=got.slots)) == p.OkReply(id=3)
+        lease = "e1:req-1:1"
+        hit = sched.call(p.Lookup(id=4, namespace=ns, hashes=keys, lease_id=lease))
+        leased = set(SlotList.from_packed(hit.offsets, hit.lengths).offsets)
+        assert hit.num_hit == 4 and len(leased) == 4
+        sched.close()
+        assert svc.wait_for(lambda: svc.service.connection_count == 1)
+        assert svc.call(lambda: svc.service.stats()["leases_active"]) == 1
+        # A save big enough to evict every chunk it may: the leased four stay, slots and all.
+        room = svc.call(lambda: svc.service.stats()["tiers"]["cpu"]["capacity"]) // align_up(SPEC.chunk_bytes)
+        fill = worker.call(p.Reserve(id=5, namespace=ns, hashes=hashes(room, "fill"))).slots
+        granted = [s for s in fill if s is not None]
+        assert len(granted) == room - 4 and leased.isdisjoint(s[0] for s in granted)
+        assert worker.call(p.Abort(id=6, slots=granted)) == p.OkReply(id=6)
+        # The worker's copy is done: its release ends the lease, and the chunks may go.
+        assert worker.call(p.Release(id=7, lease_id=lease)) == p.OkReply(id=7)
+        assert svc.call(lambda: svc.service.stats()["leases_active"]) == 0
+        fill = worker.call(p.Reserve(id=8, namespace=ns, hashes=hashes(room, "fill"))).slots
+        assert all(fill) and leased <= {s[0] for s in fill}
+        worker.call(p.Abort(id=9, slots=fill))
+        worker.close()
 
 
 def test_reports_are_listed_as_engines_while_their_connection_is_open(tmp_path: Path) -> None:
@@ -352,7 +395,7 @@ def test_many_concurrent_clients(tmp_path: Path) -> None:
                         assert all(f.result(10).result.num_hit == 16 for f in futures)
                         for i in range(10):
                             client.release(f"c{n}-{i}")
-                    client.release("flush").result(10)
+                    client.health().result(10)  # answered once the releases sent ahead of it are done
             except BaseException as exc:
                 errors.append(exc)
 

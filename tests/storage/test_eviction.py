@@ -1,4 +1,4 @@
-"""The pure LRU policy: order, byte accounting, victims by bytes, pinned keys skipped."""
+"""The pure LRU policy: order, sizes, victims by bytes, pinned keys skipped."""
 
 from __future__ import annotations
 
@@ -14,33 +14,35 @@ def _policy(*items: tuple[str, int]) -> LRUPolicy[str]:
     return lru
 
 
+def never(key: str) -> bool:
+    return False
+
+
 def test_order_and_touch() -> None:
     lru = _policy(("a", 1), ("b", 1), ("c", 1))
-    assert list(lru.iter_lru()) == ["a", "b", "c"]
+    assert lru.victims(3, never) == ["a", "b", "c"]
     assert lru.touch("a")
-    assert list(lru.iter_lru()) == ["b", "c", "a"]
+    assert lru.victims(3, never) == ["b", "c", "a"]
     assert not lru.touch("zz")
-    assert "a" in lru and len(lru) == 3
 
 
-def test_bytes_follow_add_readd_remove() -> None:
+def test_sizes_follow_add_readd_remove() -> None:
     lru = _policy(("a", 10), ("b", 20))
-    assert lru.total_bytes == 30
+    assert lru.victims(30, never) == ["a", "b"] and lru.victims(31, never) == []
     lru.add("a", 5)  # re-adding replaces the size and makes it most recent
-    assert lru.total_bytes == 25
-    assert list(lru.iter_lru()) == ["b", "a"]
+    assert lru.victims(25, never) == ["b", "a"] and lru.victims(26, never) == []
     assert lru.remove("b") and not lru.remove("b")
-    assert lru.total_bytes == 5
+    assert lru.victims(5, never) == ["a"] and lru.victims(6, never) == []
     with pytest.raises(ValueError):
         lru.add("x", -1)
 
 
 def test_victims_are_lru_first_and_just_enough() -> None:
     lru = _policy(("a", 10), ("b", 10), ("c", 10), ("d", 10))
-    assert lru.victims(15, lambda k: False) == ["a", "b"]
-    assert lru.victims(10, lambda k: False) == ["a"]
-    assert len(lru) == 4  # picking does not remove
-    assert lru.victims(0, lambda k: False) == []
+    assert lru.victims(15, never) == ["a", "b"]
+    assert lru.victims(10, never) == ["a"]
+    assert lru.victims(40, never) == ["a", "b", "c", "d"]  # picking does not remove
+    assert lru.victims(0, never) == []
 
 
 def test_victims_skip_pinned() -> None:
@@ -53,19 +55,19 @@ def test_victims_skip_pinned() -> None:
 def test_touch_protects_from_eviction() -> None:
     lru = _policy(("a", 10), ("b", 10))
     lru.touch("a")
-    assert lru.victims(10, lambda k: False) == ["b"]
+    assert lru.victims(10, never) == ["b"]
 
 
 def test_batch_operations_match_one_by_one() -> None:
     lru = _policy(("a", 1), ("b", 1), ("c", 1))
     lru.touch_many(["a", "zz", "b"])  # an untracked key is skipped, the others move in order
-    assert list(lru.iter_lru()) == ["c", "a", "b"]
+    assert lru.victims(3, never) == ["c", "a", "b"]
     lru.add_new(["d", "e"], 4)
-    assert list(lru.iter_lru()) == ["c", "a", "b", "d", "e"] and lru.total_bytes == 11
+    assert lru.victims(11, never) == ["c", "a", "b", "d", "e"] and lru.victims(12, never) == []
     lru.add_new(["c", "f", "f"], 2)  # tracked or repeated keys: as add() one by one
-    assert list(lru.iter_lru()) == ["a", "b", "d", "e", "c", "f"] and lru.total_bytes == 14
+    assert lru.victims(14, never) == ["a", "b", "d", "e", "c", "f"] and lru.victims(15, never) == []
     lru.remove_many(["a", "d"])
-    assert list(lru.iter_lru()) == ["b", "e", "c", "f"] and lru.total_bytes == 9
+    assert lru.victims(9, never) == ["b", "e", "c", "f"] and lru.victims(10, never) == []
     with pytest.raises(KeyError):
         lru.remove_many(["zz"])
     with pytest.raises(ValueError):
@@ -79,13 +81,14 @@ def test_victims_walk_past_pinned_keys_as_the_scan_does() -> None:
     batched = _policy(*sizes)
     assert batched.victims(25, pinned.__contains__) == ["b", "e", "f"]
     # Pinned keys walked past move to the end; victims stay until the caller removes them.
-    assert list(batched.iter_lru()) == ["b", "e", "f", "g", "h", "a", "c", "d"]
+    order = batched.victims(80, never)
+    assert order == ["b", "e", "f", "g", "h", "a", "c", "d"]
     scanned = _policy(("p", 11), *sizes)  # a first key of another size: the one-by-one scan
     assert scanned.victims(25, pinned.__contains__) == ["b", "e", "f"]
-    assert [k for k in scanned.iter_lru() if k != "p"] == list(batched.iter_lru())
+    assert [k for k in scanned.victims(91, never) if k != "p"] == order
 
 
 def test_victims_that_cannot_be_met_leave_the_order_to_the_scan() -> None:
     lru = _policy(("a", 10), ("b", 10), ("c", 10))
     assert lru.victims(30, {"b"}.__contains__) == []
-    assert list(lru.iter_lru()) == ["a", "c", "b"]  # the scan moved the pinned key it walked past
+    assert lru.victims(30, never) == ["a", "c", "b"]  # the scan moved the pinned key it walked past

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.storage.breaker import BreakerState, CircuitBreaker
+from kvtier.storage.breaker import CircuitBreaker
 
 
 class FakeClock:
@@ -20,13 +20,13 @@ def test_opens_on_failure_and_refuses_until_period() -> None:
     breaker = CircuitBreaker(5.0, clock=clock)
     assert breaker.allow() and breaker.closed
     breaker.record_failure()
-    assert breaker.state is BreakerState.OPEN
+    assert not breaker.closed
     assert breaker.opens == 1
     assert not breaker.allow()
     clock.now += 4.9
     assert not breaker.allow()
-    assert breaker.refused == 2
-    assert breaker.retry_in() == pytest.approx(0.1)
+    clock.now += 0.1
+    assert breaker.allow()  # the period is over: a probe may go
 
 
 def test_half_open_lets_one_probe_and_success_closes() -> None:
@@ -35,7 +35,7 @@ def test_half_open_lets_one_probe_and_success_closes() -> None:
     breaker.record_failure()
     clock.now += 5.0
     assert breaker.allow()  # the probe
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert not breaker.closed  # half-open until the probe answers
     assert not breaker.allow()  # everyone else waits for the probe
     breaker.record_success()
     assert breaker.closed
@@ -50,7 +50,7 @@ def test_failed_probe_reopens_for_a_full_period() -> None:
     assert breaker.allow()
     clock.now += 0.5
     breaker.record_failure()
-    assert breaker.state is BreakerState.OPEN
+    assert not breaker.closed
     assert breaker.opens == 2
     clock.now += 1.9
     assert not breaker.allow()

@@ -15,7 +15,8 @@ from kvtier.runtime.handoff import Lane
 from kvtier.storage import codec
 from kvtier.storage.base import BlobError, BlobFormatError, ChunkKey, ClearableTier, LowerTier, Tier
 from kvtier.storage.config import DiskConfig
-from kvtier.storage.tiers.disk import TEMP_PREFIX, DiskIO, DiskTier
+from kvtier.storage.tiers.disk import DiskTier
+from kvtier.storage.tiers.disk_files import TEMP_PREFIX, DiskIO
 
 NS = "00112233445566ff"
 CHUNK = 4096
@@ -487,7 +488,7 @@ async def test_segmented_round_trip_with_and_without_companion(tmp_path: Path) -
     for i in range(3):
         assert await read(tier, i, ODD) == bytes(payload(i, ODD))  # in an I/O thread: companion
     dest = bytearray(ODD)
-    tier._read_file(key(1), memoryview(dest))  # not on an I/O thread: the caller reads it all
+    tier.files.read(key(1), memoryview(dest))  # not on an I/O thread: the caller reads it all
     assert dest == bytes(payload(1, ODD))
     assert decoded(tier, 2) == bytes(payload(2, ODD))  # the checksum came from the put's companion
     assert tier.stats().errors == {}
