@@ -4,8 +4,11 @@ A frame is a 4-byte big-endian payload length followed by one msgpack message. E
 tagged, array-like struct whose first field after the tag is the request id, so many calls can be in
 flight on one connection and replies may come back in any order. The first request on a connection
 must be ``Hello`` (protocol version and, when the service has one, the auth token); later ``Hello``s
-register namespaces. Errors come back as ``ErrorReply`` with a stable ``code``. No pickle: msgspec
-decodes only the types declared here, with bounded sizes, and anything else is a ``ProtocolError``.
+register namespaces. A call's answer is a message named for its tag (``LookupOk``, tag ``lookup_ok``,
+answers ``Lookup``) or one of the shared ``OkReply``, ``CountReply`` and ``ErrorReply``; errors come
+with a stable ``code``. These are the frames on the wire; kvtier.app.client_results holds what the
+client makes of them. No pickle: msgspec decodes only the types declared here, with bounded sizes,
+and anything else is a ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,7 @@ import msgspec
 
 from kvtier.storage.base import NamespaceSpec, SlotRef, Tier
 
-# 2: LookupReply.tiers may be one Tier for all hits. 3: Release.reply, so a release the caller never
-# waits for (every release of the connector) costs no reply frame, nor its write and read.
-# 4: Lookup.replaces (a new lookup ends the request's previous lease in the same call), and
-# LookupReply carries slot offsets and their one length instead of one [offset, length] per hit.
-# 5: LookupReply.offsets are packed into bytes (kvtier.storage.base.SlotList.packed).
-# 6: Report (a connector says whether its side of an engine serves; Stats lists it under engines).
+# The version of the messages declared below; the service refuses a Hello that names another.
 PROTOCOL_VERSION: Final = 6
 HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
@@ -35,9 +33,8 @@ KEEP_BUFFER_BYTES: Final = 1 << 20  # an encoder keeps a buffer this big for the
 Hash = Annotated[bytes, msgspec.Meta(max_length=256)]
 MAX_NAME_CHARS: Final = 256
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
-# An arena slot on the wire is the array [offset, length]. SlotRef is a NamedTuple, which msgspec
-# encodes exactly like a tuple: both ends send the SlotRefs they hold as they are. Replies decode
-# straight into SlotRefs (what the client hands out); requests into plain tuples, 40% faster to
+# An arena slot on the wire is the array [offset, length]; SlotRef (a NamedTuple) encodes as exactly that.
+# Replies decode into SlotRefs (what the client hands out); requests into plain tuples, cheaper to
 # decode, which the service only uses to look up the SlotRefs it reserved.
 Slot = tuple[int, int]
 Token = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -168,7 +165,7 @@ class Report(_Msg, tag="report"):
 
 
 def one_value(values: list[V]) -> list[V] | V:
-    """values as LookupReply carries its tiers and lengths: their one value when all are equal."""
+    """values as LookupOk carries its tiers and lengths: their one value when all are equal."""
     return values[0] if values and values.count(values[0]) == len(values) else values
 
 
@@ -178,7 +175,7 @@ Request = (
 
 
 # ------------------------------------------------------------------------------------------ replies
-class HelloReply(_Msg, tag="hello_ok"):
+class HelloOk(_Msg, tag="hello_ok"):
     """Handshake answer; namespace and chunk_bytes are set when a spec was registered."""
 
     version: int
@@ -189,16 +186,15 @@ class HelloReply(_Msg, tag="hello_ok"):
     chunk_bytes: int = 0
 
 
-class LookupReply(_Msg, tag="lookup_ok"):
+class LookupOk(_Msg, tag="lookup_ok"):
     """Answer of Lookup: the tier of each hit, and its arena slot when it is a CPU-tier hit.
 
     ``tiers`` is a single Tier when every hit is in that tier (the usual answer: one small int on
     the wire instead of one per chunk, see one_value); receivers expand it to num_hit entries.
     ``offsets`` holds one little-endian int64 per hit, its slot's offset, or -1 for a lower-tier
     hit, which has no slot (kvtier.storage.base.SlotList.packed); ``lengths`` is the slots' one length
-    when all are equal, as the slots of one namespace are, or one per hit. One bytes field
-    decodes ten times faster than 64 ints, and a client that only counts the hits never unpacks
-    it.
+    when all are equal, as the slots of one namespace are, or one per hit. One bytes field decodes
+    faster than an int per hit, and a client that only counts the hits never unpacks it.
     """
 
     num_hit: int
@@ -208,7 +204,7 @@ class LookupReply(_Msg, tag="lookup_ok"):
     instance_id: str
 
 
-class StageReply(_Msg, tag="stage_ok"):
+class StageOk(_Msg, tag="stage_ok"):
     """Answer of Stage: a slot per leased chunk (None where missing) and the failed indices."""
 
     slots: list[SlotRef | None]
@@ -217,7 +213,7 @@ class StageReply(_Msg, tag="stage_ok"):
     instance_id: str
 
 
-class ReserveReply(_Msg, tag="reserve_ok"):
+class ReserveOk(_Msg, tag="reserve_ok"):
     """Answer of Reserve: a slot per key, None where stored already or out of space."""
 
     slots: list[SlotRef | None]
@@ -234,13 +230,13 @@ class CountReply(_Msg, tag="count"):
     count: int
 
 
-class StatsReply(_Msg, tag="stats_ok"):
+class StatsOk(_Msg, tag="stats_ok"):
     """Answer of Stats: a JSON-shaped dict."""
 
     stats: dict[str, object]
 
 
-class HealthReply(_Msg, tag="health_ok"):
+class HealthOk(_Msg, tag="health_ok"):
     """Answer of Health."""
 
     serving: bool
@@ -255,17 +251,7 @@ class ErrorReply(_Msg, tag="error"):
     message: str
 
 
-Reply = (
-    HelloReply
-    | LookupReply
-    | StageReply
-    | ReserveReply
-    | OkReply
-    | CountReply
-    | StatsReply
-    | HealthReply
-    | ErrorReply
-)
+Reply = HelloOk | LookupOk | StageOk | ReserveOk | OkReply | CountReply | StatsOk | HealthOk | ErrorReply
 REQUEST_TYPES: Final = Request.__args__
 REPLY_TYPES: Final = Reply.__args__
 
@@ -357,7 +343,7 @@ class FrameDecoder:
             return self._decoder.decode(payload)
         except Exception as exc:
             # msgspec raises DecodeError/ValidationError, but also UnicodeDecodeError for a bad tag
-            # string (found by the fuzz test): any of them is a malformed frame.
+            # string: any of them is a malformed frame.
             raise MalformedFrame(f"undecodable frame of {size} bytes: {exc}") from None
 
 

@@ -53,7 +53,7 @@ class ArenaClient:
         """Record the slots given back."""
         self.aborted.extend(slots)
 
-    def release_nowait(self, lease_id: str) -> None:
+    def release(self, lease_id: str) -> None:
         """Record the lease ended."""
         self.released.append(lease_id)
 

@@ -10,7 +10,7 @@ side's percentiles pool all of its turns.
 Lookups are made as the connector makes them, in two phases: ``lookup``, the lookup a waiting
 request repeats every step, which takes a new lease and ends the request's previous one in the same
 call (``replaces``); and ``lookup_fresh``, the first lookup of a new request, which takes a lease of
-its own, with the release of an earlier request's lease (``release_nowait``, no reply) riding along.
+its own, with the release of an earlier request's lease (``release``, no reply) riding along.
 The fresh lookups alternate between two stored prompts, so the lease a lookup ends never holds the
 chunks it finds (its pins cannot just move over, as they do for a repeated lookup).
 
@@ -202,7 +202,7 @@ def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
             t0 = time.perf_counter()
             reply = client.lookup(ns, other, new).result(plan.timeout)
             took = time.perf_counter() - t0
-            client.release_nowait(lease)
+            client.release(lease)
             lease = new
             if reply.result.num_hit != CHUNKS:
                 raise RuntimeError(f"lookup found {reply.result.num_hit} of {CHUNKS} chunks")
@@ -236,7 +236,7 @@ def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
                 samples[phase] = [calls[phase]() for _ in range(plan.ops)]
             barrier.wait()
             rounds.append(samples)
-        client.release(lease).result(plan.timeout)
+        client.release(lease)
     out.put(rounds)
 
 

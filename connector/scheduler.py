@@ -169,7 +169,7 @@ class SchedulerSide:
 
     def _end_lease(self, lease_id: str) -> None:
         if lease_id and self.client is not None:
-            self.client.release_nowait(lease_id)
+            self.client.release(lease_id)
 
     # -------------------------------------------------------------------------------- admission
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -505,7 +505,7 @@ class WorkerSide:
 
     def _release(self, lease_id: str) -> None:
         if self.client is not None and lease_id:
-            self.client.release_nowait(lease_id)
+            self.client.release(lease_id)
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last call (reset on read)."""

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvtier.app import client as client_module
+from kvtier.app import client_loop
 from kvtier.app import protocol as p
-from kvtier.app.channel import Call, Channel
 from kvtier.app.client import (
     CallTimeout,
     ClientClosed,
@@ -29,7 +29,9 @@ from kvtier.app.client import (
     ServiceUnavailable,
     StaleInstance,
 )
-from kvtier.app.client_types import CONVERT
+from kvtier.app.client_call import Call
+from kvtier.app.client_connection import ClientConnection
+from kvtier.app.client_results import CONVERT
 from kvtier.storage.base import LookupResult, SlotList, SlotRef, Tier
 from kvtier.storage.keys import namespace_id
 from tests.app import SPEC, ThreadService, hashes, settings_for, thread_service, wait_until
@@ -58,7 +60,7 @@ def test_full_api_against_a_service(tmp_path: Path) -> None:
         assert client.stats().result(5)["leases_active"] == 1
         staged = client.stage("r1").result(5).result
         assert staged.slots == got.slots[:3] and staged.failed == []
-        assert client.release("r1").result(5) is None
+        assert client.release("r1") is None
         spare = client.reserve(ns, hashes(2, "spare")).result(5)
         assert client.abort(spare.slots, spare.instance_id).result(5) is None
         assert client.delete(ns, keys[:1]).result(5) == 1
@@ -111,48 +113,48 @@ def _stored_and_leased(client: ServiceClient, lease_id: str) -> tuple[str, list[
     return ns, keys
 
 
-def test_release_nowait_ends_the_lease_before_the_next_call(tmp_path: Path) -> None:
+def test_release_ends_the_lease_before_the_next_call(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns, keys = _stored_and_leased(client, "r1")
-        assert client.release_nowait("r1") is None
+        assert client.release("r1") is None
         assert not client._pending  # nothing waits for an answer: none comes
         # Sent ahead of (with) the next call on the connection, so that call sees it done.
         assert client.stats().result(5)["leases_active"] == 0
         assert client.lookup(ns, keys, "r2").result(5).result.num_hit == 4
-        client.release_nowait("r2")
-        client.release_nowait("r2")  # idempotent, as release() is
+        client.release("r2")
+        client.release("r2")  # idempotent
         assert client.stats().result(5)["leases_active"] == 0
         assert svc.call(lambda: svc.service.owned()) == (0, 0)
 
 
-def test_release_nowait_rides_in_the_next_lookup_that_ends_no_lease(
+def test_release_rides_in_the_next_lookup_that_ends_no_lease(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sent: list[Any] = []
     decoder = p.request_decoder()
-    write = Channel.write
+    write = ClientConnection.write
 
-    def spy(channel: Channel, frame: bytes | bytearray) -> bool:
-        sent.extend(decoder.feed(bytes(channel.held) + bytes(frame)))  # held frames go first
-        return write(channel, frame)
+    def spy(conn: ClientConnection, frame: bytes | bytearray) -> bool:
+        sent.extend(decoder.feed(bytes(conn.held) + bytes(frame)))  # held frames go first
+        return write(conn, frame)
 
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns, keys = _stored_and_leased(client, "r1")
-        monkeypatch.setattr(Channel, "write", spy)
-        client.release_nowait("r1")
+        monkeypatch.setattr(ClientConnection, "write", spy)
+        client.release("r1")
         assert client.lookup(ns, keys, "r2").result(5).result.num_hit == 4
         # One frame: the lookup, ending r1 as its replaces.
         assert [(type(m), m.lease_id, m.replaces) for m in sent] == [(p.Lookup, "r2", "r1")]
         assert client.stats().result(5)["leases_active"] == 1
         # A lookup that ends a lease itself takes none along: the kept one goes ahead as a Release.
         del sent[:]
-        client.release_nowait("r9")
+        client.release("r9")
         assert client.lookup(ns, keys, "r3", replaces="r2").result(5).result.num_hit == 4
         assert [(type(m), m.lease_id) for m in sent] == [(p.Release, "r9"), (p.Lookup, "r3")]
         assert sent[1].replaces == "r2" and client.stats().result(5)["leases_active"] == 1
         # One that fails to encode keeps it for the next call.
         del sent[:]
-        client.release_nowait("r3")
+        client.release("r3")
         with pytest.raises(ServiceError):
             client.lookup(ns, [b"h" * 256] * 40_000, "r4").result(5)  # over the frame limit
         assert client.stats().result(5)["leases_active"] == 0
@@ -164,19 +166,19 @@ def _spy_sends(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
     """Record the messages of each send the client makes (held frames go first)."""
     sends: list[list[Any]] = []
     decoder = p.request_decoder()
-    write = Channel.write
+    write = ClientConnection.write
 
-    def spy(channel: Channel, frame: bytes | bytearray) -> bool:
-        sends.append(decoder.feed(bytes(channel.held) + bytes(frame)))
-        return write(channel, frame)
+    def spy(conn: ClientConnection, frame: bytes | bytearray) -> bool:
+        sends.append(decoder.feed(bytes(conn.held) + bytes(frame)))
+        return write(conn, frame)
 
-    monkeypatch.setattr(Channel, "write", spy)
+    monkeypatch.setattr(ClientConnection, "write", spy)
     return sends
 
 
 def _no_sweep_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
     """Clients made after this sweep once a minute: only callers send what is held."""
-    monkeypatch.setattr(client_module, "SWEEP_PERIOD_S", 60.0)
+    monkeypatch.setattr(client_loop, "SWEEP_PERIOD_S", 60.0)
 
 
 def test_held_lookups_wait_while_a_call_is_in_flight_and_go_out_together(
@@ -186,8 +188,8 @@ def test_held_lookups_wait_while_a_call_is_in_flight_and_go_out_together(
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns, keys = _stored_and_leased(client, "r0")
         sends = _spy_sends(monkeypatch)
-        assert client._channel is not None
-        with client._channel.reading:  # nobody reads replies meanwhile: r1 stays in flight
+        assert client._conn is not None
+        with client._conn.reading:  # nobody reads replies meanwhile: r1 stays in flight
             first = client.lookup(ns, keys, "r1", hold=True)  # nothing in flight: sent at once
             second = client.lookup(ns, keys[:2], "r2", hold=True)
             third = client.lookup(ns, keys, "r3", hold=True)
@@ -198,7 +200,7 @@ def test_held_lookups_wait_while_a_call_is_in_flight_and_go_out_together(
         assert first.result(5).result.num_hit == 4 and third.result(5).result.num_hit == 4
         # A poll sends them too, and so does a call that is not held.
         del sends[:]
-        with client._channel.reading:
+        with client._conn.reading:
             client.lookup(ns, keys, "r4", hold=True)
             polled = client.lookup(ns, keys, "r5", hold=True)
             polled.done()
@@ -219,8 +221,8 @@ def test_held_lookups_go_out_once_they_fill_a_send(tmp_path: Path, monkeypatch: 
         size = len(p.FrameEncoder().encode(p.Lookup(id=1, namespace=ns, hashes=keys, lease_id="r1")))
         monkeypatch.setattr(client_module, "HOLD_BYTES", 3 * size)
         sends = _spy_sends(monkeypatch)
-        assert client._channel is not None
-        with client._channel.reading:
+        assert client._conn is not None
+        with client._conn.reading:
             made = [client.lookup(ns, keys, f"r{i}", hold=True) for i in range(1, 6)]
             assert [[m.lease_id for m in send] for send in sends] == [["r1"], ["r2", "r3", "r4", "r5"]]
         assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 6)
@@ -232,23 +234,23 @@ def test_a_held_lookup_nobody_waits_for_goes_out_with_the_sweep(
 ) -> None:
     # Held: the sweep is brought forward to go within SWEEP_PERIOD_S, whatever else is due (no
     # deadline, no idle sweep for a minute).
-    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)
+    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url, timeout=60) as client:
         ns, keys = _stored_and_leased(client, "r0")
         assert wait_until(lambda: client._sweep_due > time.monotonic() + 30)  # past the connect's
-        assert client._channel is not None
-        with client._channel.reading:
+        assert client._conn is not None
+        with client._conn.reading:
             client.lookup(ns, keys, "r1", hold=True)
             held = client.lookup(ns, keys, "r2", hold=True)
-            assert client._channel.held
+            assert client._conn.held
             assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 3)
         assert held.result(5).result.num_hit == 4
 
 
-def test_release_nowait_goes_out_without_a_later_call(tmp_path: Path) -> None:
+def test_release_goes_out_without_a_later_call(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         _stored_and_leased(client, "r1")
-        client.release_nowait("r1")
+        client.release("r1")
         # No other call follows: the client's sweep sends it.
         assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
 
@@ -256,14 +258,14 @@ def test_release_nowait_goes_out_without_a_later_call(tmp_path: Path) -> None:
 def test_a_release_while_the_sweep_lingers_goes_out_without_waking_the_loop_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "SWEEP_LINGER_S", 60.0)
+    monkeypatch.setattr(client_loop, "SWEEP_LINGER_S", 60.0)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         _stored_and_leased(client, "r1")  # its calls started the sweep
-        time.sleep(0.3)  # a sweep later: it found nothing to do, and lingers
+        assert wait_until(lambda: client._idle_since is not None)  # a sweep found nothing to do: it lingers
         wakes: list[Any] = []
         wake = client._loop.call_soon_threadsafe
         monkeypatch.setattr(client._loop, "call_soon_threadsafe", lambda *a: (wakes.append(a), wake(*a))[1])
-        client.release_nowait("r1")
+        client.release("r1")
         assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)  # the next sweep sent it
         assert wakes == []
 
@@ -271,11 +273,11 @@ def test_a_release_while_the_sweep_lingers_goes_out_without_waking_the_loop_thre
 def test_the_sweep_stops_once_the_client_was_idle_for_its_linger(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "SWEEP_LINGER_S", 0.05)
+    monkeypatch.setattr(client_loop, "SWEEP_LINGER_S", 0.05)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         assert client.health().result(5).serving
         assert wait_until(lambda: not client._sweeping)  # no wake-ups go on while nothing happens
-        client.release_nowait("r0")  # starts it again
+        client.release("r0")  # starts it again
         assert client._sweeping and wait_until(lambda: not client._sweeping)
 
 
@@ -284,7 +286,7 @@ def test_a_client_with_nothing_due_leaves_its_loop_thread_asleep(
 ) -> None:
     # Every wake-up of the loop thread lands in the middle of vLLM's forward: a sweep that finds
     # nothing due comes back after SWEEP_IDLE_PERIOD_S, not SWEEP_PERIOD_S (30 wake-ups in a prefill).
-    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)
+    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url, timeout=60) as client:
         assert client.wait_connected(5)
         assert client.health().result(5).serving  # read by this thread: nothing due for a minute
@@ -300,10 +302,10 @@ def test_a_client_with_nothing_due_leaves_its_loop_thread_asleep(
 def test_a_reply_nobody_read_reaches_its_call_before_the_deadline_sweep_fails_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)  # the next sweep: the deadline's
+    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)  # the next sweep: the deadline's
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         assert client.wait_connected(5)
-        channel = client._channel
+        channel = client._conn
         assert channel is not None
         outcome: list[BaseException | None] = []
         with channel.reading:  # a caller reads: the loop thread stops watching when the reply comes
@@ -315,25 +317,62 @@ def test_a_reply_nobody_read_reaches_its_call_before_the_deadline_sweep_fails_it
         assert outcome == [None]
 
 
-def test_release_nowait_made_while_connecting_is_sent_once_connected(tmp_path: Path) -> None:
+def test_release_made_while_connecting_is_sent_once_connected(tmp_path: Path) -> None:
     with thread_service(tmp_path) as svc:
         with ServiceClient(svc.url) as client:
-            _stored_and_leased(client, "r1")  # stored; the lease ends with this client
+            _stored_and_leased(client, "r1")
+            client.release("r1")
         with ServiceClient(svc.url) as client:
             # Right after construction, usually before the handshake: queued in order.
             lookup = client.lookup(namespace_id(SPEC), hashes(4), "r2")
-            client.release_nowait("r2")
+            client.release("r2")
             assert lookup.result(5).result.num_hit == 4
             assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
             assert client.stats().result(5)["leases_active"] == 0
 
 
-def test_release_nowait_while_down_or_closed_does_nothing(tmp_path: Path) -> None:
-    with ServiceClient(f"unix://{tmp_path}/none.sock", backoff=ConstantBackoff(0.5)) as client:
-        with pytest.raises(ServiceUnavailable):
-            client.health().result(2)
-        client.release_nowait("l")  # the service released every lease of a lost connection
-    client.release_nowait("l")
+def test_close_sends_the_releases_it_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_sweep_for_a_while(monkeypatch)
+    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)  # only close() can send it
+    with thread_service(tmp_path) as svc:
+        sends = _spy_sends(monkeypatch)
+        with ServiceClient(svc.url) as client:
+            _stored_and_leased(client, "r1")
+            client.release("r1")
+        assert [(type(m), m.lease_id) for m in sends[-1]] == [(p.Release, "r1")]
+        assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+
+
+def test_a_release_while_down_goes_out_once_reconnected(tmp_path: Path) -> None:
+    url = f"unix://{tmp_path}/svc.sock"
+    back = threading.Event()
+    started: list[ThreadService] = []
+
+    def bring_back() -> None:  # the reconnect schedule's hook: the service returns holding lease r1
+        if back.is_set() and not started:
+            started.append(ThreadService(url, settings_for(tmp_path)).start())
+            with ServiceClient(url) as other:
+                _stored_and_leased(other, "r1")
+
+    try:
+        with ServiceClient(url, backoff=FAST, on_unavailable=bring_back) as client:
+            with pytest.raises(ServiceUnavailable):
+                client.health().result(2)
+            client.release("r1")  # kept: nothing can send it now
+            back.set()
+            assert client.wait_connected(10)
+            (svc,) = started
+            assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+    finally:
+        for svc in started:
+            svc.stop()
+
+
+def test_release_after_close_does_nothing(tmp_path: Path) -> None:
+    client = ServiceClient(f"unix://{tmp_path}/none.sock", backoff=ConstantBackoff(0.5))
+    client.close()
+    client.release("l")
+    assert not client._releases
 
 
 def test_fails_fast_while_the_service_is_unreachable(tmp_path: Path) -> None:
@@ -437,9 +476,7 @@ def _silent_server(path: str, stop: threading.Event) -> None:
                     if isinstance(msg, p.Hello):
                         conn.sendall(
                             enc.encode(
-                                p.HelloReply(
-                                    id=msg.id, version=1, instance_id="x", arena_path="", arena_size=0
-                                )
+                                p.HelloOk(id=msg.id, version=1, instance_id="x", arena_path="", arena_size=0)
                             )
                         )
     finally:
@@ -450,7 +487,7 @@ def _silent_server(path: str, stop: threading.Event) -> None:
 
 
 def test_every_call_has_a_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_module, "SWEEP_IDLE_PERIOD_S", 60.0)  # deadlines bring the sweep forward
+    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)  # deadlines bring the sweep forward
     with silent_service(tmp_path) as path, ServiceClient(f"unix://{path}", timeout=0.2) as client:
         assert client.wait_connected(5)
         patient = client.health(timeout=60)
@@ -524,7 +561,7 @@ def test_thread_safe_calls_from_many_threads(tmp_path: Path) -> None:
                 futures = [client.lookup(ns, keys, f"t{n}-{i}") for i in range(100)]
                 assert all(f.result(10).result.num_hit == 8 for f in futures)
                 for i in range(100):
-                    client.release(f"t{n}-{i}").result(10)
+                    client.release(f"t{n}-{i}")
             except BaseException as exc:
                 failures.append(exc)
 
@@ -577,7 +614,7 @@ def test_close_wakes_a_caller_blocked_reading(tmp_path: Path) -> None:
         assert client.wait_connected(5)
         future = client.stats()
         waiter, outcome = _wait_in_thread(future, 30)
-        assert wait_until(lambda: client._channel is not None and client._channel.reading.locked(), 5)
+        assert wait_until(lambda: client._conn is not None and client._conn.reading.locked(), 5)
         client.close()
         waiter.join(30)
         # Woken by the close, not by its 30 s timeout (that would be a TimeoutError).
@@ -601,12 +638,22 @@ def test_a_call_waited_on_from_several_threads_completes_for_each(tmp_path: Path
         assert results == [0] * 50
 
 
-def _call() -> Call:
-    return Call(None, 1, b"", CONVERT[p.Health])
+class _NoReads:
+    """A call's reader that reads nothing and tells when a thread is about to wait on the call."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+
+    def await_reply(self, call: Call, timeout: float | None) -> float | None:
+        self.waiting.set()
+        return timeout
+
+
+def _call(reader: _NoReads | None = None) -> Call:
+    return Call(reader, 1, b"", CONVERT[p.Health])
 
 
 def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
-    # A Call makes its condition and lists on first use: every Future use must still work.
     done = _call()
     done.set_result(7)
     seen: list[object] = []
@@ -615,20 +662,22 @@ def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
     with pytest.raises(InvalidStateError):
         done.set_result(8)
 
-    waited = _call()
+    reader = _NoReads()
+    waited = _call(reader)
     waited.add_done_callback(lambda f: seen.append(f.exception()))  # before: called on completion
     waiter, raised = _wait_in_thread(waited, 10)
-    assert wait_until(lambda: waited._cond is not None, 5)  # the waiter made it
+    assert reader.waiting.wait(5)  # the waiter asked its reader first, then waits on the future
     error = RuntimeError("no")
-    timer = threading.Timer(0.05, lambda: waited.set_exception(error))
-    timer.start()
+    setter = threading.Thread(target=waited.set_exception, args=(error,))
+    setter.start()
     finished, pending = futures.wait([waited], timeout=10)
     waiter.join(10)
-    timer.join(10)
+    setter.join(10)
     assert finished == {waited} and not pending and seen == [7, error] and raised == [error]
+    assert waited.finished() and waited.exception(0) is error
 
     cancelled = _call()
-    assert cancelled.cancel() and cancelled.cancelled() and cancelled.done()
+    assert not cancelled.finished() and cancelled.cancel() and cancelled.cancelled() and cancelled.done()
     with pytest.raises(InvalidStateError):
         cancelled.set_result(1)
     with pytest.raises(futures.CancelledError):
@@ -682,7 +731,7 @@ def test_a_lookup_reply_with_bad_packed_slots_fails_that_call_only(tmp_path: Pat
             while data := conn.recv(1 << 16):
                 for msg in dec.feed(data):
                     if isinstance(msg, p.Hello):
-                        reply: p.Reply = p.HelloReply(
+                        reply: p.Reply = p.HelloOk(
                             id=msg.id,
                             version=p.PROTOCOL_VERSION,
                             instance_id="i",
@@ -690,7 +739,7 @@ def test_a_lookup_reply_with_bad_packed_slots_fails_that_call_only(tmp_path: Pat
                             arena_size=0,
                         )
                     elif isinstance(msg, p.Lookup):
-                        reply = p.LookupReply(
+                        reply = p.LookupOk(
                             id=msg.id,
                             num_hit=1,
                             tiers=Tier.CPU,
@@ -699,7 +748,7 @@ def test_a_lookup_reply_with_bad_packed_slots_fails_that_call_only(tmp_path: Pat
                             instance_id="i",
                         )
                     else:
-                        reply = p.HealthReply(id=msg.id, serving=True, instance_id="i", tiers={})
+                        reply = p.HealthOk(id=msg.id, serving=True, instance_id="i", tiers={})
                     conn.sendall(enc.encode(reply))
 
     server = threading.Thread(target=serve, daemon=True)
@@ -707,7 +756,7 @@ def test_a_lookup_reply_with_bad_packed_slots_fails_that_call_only(tmp_path: Pat
     try:
         with ServiceClient(f"unix://{path}") as client:
             assert client.wait_connected(5)
-            with pytest.raises(ServiceError, match=r"bad LookupReply.*not a multiple of 8"):
+            with pytest.raises(ServiceError, match=r"bad LookupOk.*not a multiple of 8"):
                 client.lookup("ns", [b"k"], "l1").result(5)
             assert client.health().result(5).serving and client.connected  # the connection goes on
     finally:

@@ -35,11 +35,11 @@ REQUESTS = [
     p.Report(id=14, engine_id="engine-1", role="worker", active=False, reason="KV layout refused"),
 ]
 REPLIES = [
-    p.HelloReply(id=1, version=1, instance_id="i", arena_path="/dev/shm/a", arena_size=1 << 20),
-    p.HelloReply(
+    p.HelloOk(id=1, version=1, instance_id="i", arena_path="/dev/shm/a", arena_size=1 << 20),
+    p.HelloOk(
         id=2, version=1, instance_id="i", arena_path="/a", arena_size=4, namespace="n", chunk_bytes=2048
     ),
-    p.LookupReply(
+    p.LookupOk(
         id=3,
         num_hit=2,
         tiers=[Tier.CPU, Tier.DISK],
@@ -47,7 +47,7 @@ REPLIES = [
         lengths=2048,
         instance_id="i",
     ),
-    p.LookupReply(
+    p.LookupOk(
         id=3,
         num_hit=2,
         tiers=Tier.CPU,
@@ -55,12 +55,12 @@ REPLIES = [
         lengths=[2048, 1024],
         instance_id="i",
     ),
-    p.StageReply(id=4, slots=[SLOTS[0], None], tiers=[Tier.CPU, Tier.REDIS], failed=[1], instance_id="i"),
-    p.ReserveReply(id=5, slots=[SLOTS[1], None], instance_id="i"),
+    p.StageOk(id=4, slots=[SLOTS[0], None], tiers=[Tier.CPU, Tier.REDIS], failed=[1], instance_id="i"),
+    p.ReserveOk(id=5, slots=[SLOTS[1], None], instance_id="i"),
     p.OkReply(id=6),
     p.CountReply(id=9, count=3),
-    p.StatsReply(id=11, stats={"tiers": {"cpu": {"chunks": 1}}, "leases_active": 0}),
-    p.HealthReply(id=12, serving=True, instance_id="i", tiers={"cpu": True}),
+    p.StatsOk(id=11, stats={"tiers": {"cpu": {"chunks": 1}}, "leases_active": 0}),
+    p.HealthOk(id=12, serving=True, instance_id="i", tiers={"cpu": True}),
     p.ErrorReply(id=13, code=p.ErrorCode.BAD_REQUEST, message="no"),
 ]
 
@@ -76,7 +76,7 @@ def test_every_request_round_trips(msg: p.Request) -> None:
 def test_every_reply_round_trips(msg: p.Reply) -> None:
     (decoded,) = p.reply_decoder().feed(p.FrameEncoder().encode(msg))
     assert decoded == msg
-    if isinstance(decoded, p.LookupReply):  # typed on the way in: Tier members
+    if isinstance(decoded, p.LookupOk):  # typed on the way in: Tier members
         assert decoded.tiers is Tier.CPU or decoded.tiers[1] is Tier.DISK  # type: ignore[index]
 
 
@@ -84,10 +84,10 @@ def test_a_lookup_reply_names_one_tier_for_hits_all_in_it() -> None:
     assert p.one_value([Tier.CPU] * 3) is Tier.CPU and p.one_value([]) == []
     assert p.one_value([Tier.CPU, Tier.DISK]) == [Tier.CPU, Tier.DISK]
     one = p.FrameEncoder().encode(
-        p.LookupReply(id=1, num_hit=64, tiers=Tier.DISK, offsets=b"", lengths=0, instance_id="i")
+        p.LookupOk(id=1, num_hit=64, tiers=Tier.DISK, offsets=b"", lengths=0, instance_id="i")
     )
     many = p.FrameEncoder().encode(
-        p.LookupReply(id=1, num_hit=64, tiers=[Tier.DISK] * 64, offsets=b"", lengths=0, instance_id="i")
+        p.LookupOk(id=1, num_hit=64, tiers=[Tier.DISK] * 64, offsets=b"", lengths=0, instance_id="i")
     )
     assert len(many) - len(one) == 64 + 2  # one int instead of an array of 64
 
@@ -97,12 +97,10 @@ def test_a_lookup_reply_is_smaller_than_one_slot_array_per_hit() -> None:
     offsets = [(i + 1) << 31 for i in range(64)]  # arena offsets past 2 GiB: 9 bytes each as ints
     slots = SlotList(offsets, 1 << 21)
     packed = enc.encode(
-        p.LookupReply(
-            id=1, num_hit=64, tiers=Tier.CPU, offsets=slots.packed, lengths=1 << 21, instance_id="i"
-        )
+        p.LookupOk(id=1, num_hit=64, tiers=Tier.CPU, offsets=slots.packed, lengths=1 << 21, instance_id="i")
     )
     per_hit = enc.encode(
-        p.StageReply(id=1, slots=list(slots), tiers=[], failed=[], instance_id="i")  # type: ignore[arg-type]
+        p.StageOk(id=1, slots=list(slots), tiers=[], failed=[], instance_id="i")  # type: ignore[arg-type]
     )
     assert len(per_hit) - len(packed) >= 64 * 5  # each hit's array header and length are gone
     (decoded,) = p.reply_decoder().feed(packed)
@@ -111,8 +109,8 @@ def test_a_lookup_reply_is_smaller_than_one_slot_array_per_hit() -> None:
 
 def test_slots_travel_as_arrays_and_arrive_as_slot_refs() -> None:
     enc = p.FrameEncoder()
-    refs = p.ReserveReply(id=3, slots=[SlotRef(0, 2048), None], instance_id="i")
-    plain = p.ReserveReply(id=3, slots=[(0, 2048), None], instance_id="i")  # type: ignore[list-item]
+    refs = p.ReserveOk(id=3, slots=[SlotRef(0, 2048), None], instance_id="i")
+    plain = p.ReserveOk(id=3, slots=[(0, 2048), None], instance_id="i")  # type: ignore[list-item]
     assert enc.encode(refs) == enc.encode(plain)  # the wire format did not change
     (decoded,) = p.reply_decoder().feed(enc.encode(plain))
     assert type(decoded.slots[0]) is SlotRef and decoded.slots == [SlotRef(0, 2048), None]

@@ -76,13 +76,7 @@ class FakeClient:
             fut.set_result(reply)
         return fut
 
-    def release(self, lease_id: str, timeout: float | None = None):
-        self.released.append(lease_id)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        fut.set_result(None)
-        return fut
-
-    def release_nowait(self, lease_id: str) -> None:
+    def release(self, lease_id: str) -> None:
         self.released.append(lease_id)
 
 
