@@ -1,10 +1,9 @@
 """How far a ratio of pooled medians could move with other engines: a bootstrap over engine pairs.
 
 The miss benchmark compares engines side by side, and engines built alike differ in the same
-forward (by about ±3% here with transparent huge pages, ±15% without), so its ratio depends on which
-engines a run happened to start. Resampling whole
-pairs (each pair keeps its own samples) and recomputing the ratio shows that spread next to the
-figure: a line within the interval is not told apart by the run.
+forward, so its ratio depends on which engines a run happened to start. Resampling whole pairs (each
+pair keeps its own samples) and recomputing the ratio shows that spread next to the figure: a line
+within the interval is not told apart by the run.
 """
 
 from __future__ import annotations

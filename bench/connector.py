@@ -1,56 +1,9 @@
 """`kvtier bench connector`: the connector's costs, each as a ratio to a reference from the same run.
 
-(a) worker copy throughput, KV blocks <-> arena slot, against a plain memory copy of the same bytes;
-(b) scheduler-side connector time per step with 256 running requests, as a fraction of vLLM's own
-    ``schedule()`` time (the connector's share excluded), the median of 5 engines;
-(c) TTFT on the CPU engine for a long prompt with a model of 16 KiB of KV per token: CPU-tier hit,
-    disk hit, Redis hit, miss with kvtier, and without kvtier, with the floor of a CPU hit
-    (bytes loaded / memcpy bandwidth of as many cold bytes + TTFT of a one-token prompt in the same
-    engine, run right after that memcpy as a hit's forward runs right after its copy;
-    ``ttft_cpu_hit_warm_one_token_floor_ratio`` takes a one-token prompt run right after a hit
-    instead, and ``ttft_cpu_hit_warm_floor_ratio`` that prompt and a cache-warm memcpy).
-    ``ttft_miss_ratio`` is a miss with the default tiers (CPU + disk) against no kvtier. Engines
-    started one after another on this VM differ by up to 40% for the same prompts, and the VM drifts
-    over minutes, so the miss is measured on pairs of engines in processes of their own, one with
-    kvtier and one without, up side by side and sampled in turn (bench/engine_proc.py), with the
-    samples of 8 pairs pooled; every sample starts once the previous one's background work is done.
-    Which engine of a pair starts first alternates, so an effect of the start order cannot lean
-    the ratio either way (``ttft_miss_ratio_kvtier_first`` / ``_kvtier_second``).
-    ``ttft_miss_ratio_low95`` / ``_high95`` (and the bypassed ratio's) bound where the ratio could
-    have landed with other engines: a 95% bootstrap over the pairs (bench/bootstrap.py).
-    Every engine is warmed up before it is timed (see warm_up_prompts): a fresh engine's first
-    prompts of this length take up to 2x as long, and erratically, until each KV block was used once.
-    Every engine keeps its weights and KV cache on transparent huge pages (THP_MEM_ALLOC_ENABLE, set
-    by run() for this process and the engines it starts): with 4 KiB pages engines differed more.
-    The miss pairs' engines also keep their freed heap (STEADY_MALLOC_ENV, bench/engine_proc.py):
-    with glibc trimming it, two identical engines differed by up to 1.11x.
-    The engine with kvtier also runs fresh prompts with kvtier bypassed (its scheduler side answers
-    "nothing to load or save"; the connector stays configured): ``ttft_bypassed_ratio`` is vLLM's
-    cost of having a connector configured at all, and ``ttft_miss_same_engine_ratio`` (median over
-    every miss / bypassed pair) kvtier's own cost on a miss's critical path. ``ttft_ms_by_phase`` splits
-    each case's TTFT (medians, bench/phases.py): the model's forward, kvtier's connector hooks
-    (scheduler and worker side), and vLLM's work besides both. ``ttft_miss_forward_ratio`` compares
-    the forwards alone, in which no kvtier code runs (its per-layer hooks are left out): a gap there
-    is the other process computing more slowly, or kvtier's threads taking its cores, not kvtier's
-    code on the prompt's path, which ``ttft_miss_kvtier_fraction`` gives as a share of the TTFT
-    without kvtier (``ttft_miss_kvtier_by_hook``: each hook's median ms on a miss).
-    ``ttft_miss_ratio_all_tiers`` adds Redis, whose write-through of every missed chunk competes for
-    this machine's two cores with the next prefill.
-    For scale, an engine without kvtier and with vLLM's own prefix cache runs the same prompts
-    twice: its hit copies nothing, yet computes the last token against the whole cached context,
-    which the floor's one-token prompt does not. ``ttft_vllm_prefix_hit_one_token_ratio`` (that
-    hit / that engine's one-token TTFT) sits beside ``ttft_cpu_hit_one_token_ratio`` (kvtier's CPU
-    hit / its engine's one-token TTFT after a hit): each a ratio within one engine. The floor leaves that
-    attention over the context out, so a third engine, with kvtier and vLLM's prefix cache both,
-    times kvtier's CPU hit against vLLM's hit of the same prompts: ``cpu_hit_over_prefix_hit_ms``
-    is what loading the KV costs over a hit that copies nothing, and
-    ``cpu_hit_load_over_memcpy_ratio`` that cost over a cold memcpy of the bytes loaded.
-    The CPU hit, the floor's memcpy and one-token prompt, and the one-token prompt after a hit are
-    sampled in turn (3 rounds over 5 prompts). ``ttft_ms_by_phase`` splits a CPU hit and the floor's
-    one-token prompt too (``cpu_hit``, ``one_token``; ``cpu_hit_kvtier_by_hook`` for each hook),
-    from samples of their own taken after the figure's, as timing every hook costs a little: what a
-    hit adds to the forward and to vLLM's own work is the context the floor leaves out, and on the
-    CPU ``start_load_kv`` holds the load's copy.
+(a) worker block copies against a plain memory copy of the same bytes; (b) the scheduler-side
+connector's time per step against vLLM's own ``schedule()``; (c) time to first token of a long prompt
+for hits from each tier, a miss, and no kvtier, against recompute and a floor. docs/performance.md
+("Connector benchmark") says what each figure means and records what it measured.
 """
 
 from __future__ import annotations
@@ -73,6 +26,7 @@ import numpy as np
 
 from kvtier.bench.arena_dir import arena_dir
 from kvtier.bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
+from kvtier.bench.engine_core import run_engine_core
 from kvtier.bench.engine_proc import (
     EngineProcess,
     Sample,
@@ -83,11 +37,14 @@ from kvtier.bench.engine_proc import (
     phase_ms,
     time_prompt,
 )
+from kvtier.bench.harness import generate, generate_each, kv_transfer_config, make_prompt, running_engine
+from kvtier.bench.models import BENCH, TINY, build_model
 from kvtier.bench.phases import SCHEDULER_HOOKS, PhaseClock
 
-ROOT = Path(__file__).resolve().parents[1]
 ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
 TTFT_CHUNK = 256  # chunk_size of the TTFT benchmarks' engines, in tokens
+SCHEDULER_REQUESTS = 256  # requests running together in the scheduler part
+QUICK_REQUESTS = 16  # the same under --quick
 
 
 def _median_time(fn: Callable[[], Any], repeat: int) -> float:
@@ -101,16 +58,14 @@ def _median_time(fn: Callable[[], Any], repeat: int) -> float:
 
 def in_turns(samplers: Sequence[Callable[[int], float]], count: int, rounds: int = 3) -> list[float]:
     """Each sampler's median over single samples taken in turn (sampler by sampler, in the order
-    given, for indexes 0..count-1, rounds times over): this VM's speed (compute and memory alike)
-    drifts by several % within seconds, and taken in turn every figure sees the same drift."""
+    given, for indexes 0..count-1, rounds times over), so every figure sees the same drift of the
+    machine's speed."""
     taken = [[sample(i) for sample in samplers] for _ in range(rounds) for i in range(count)]
     return [statistics.median(turn[k] for turn in taken) for k in range(len(samplers))]
 
 
 def _ttft_once(llm: Any, prompt: list[int]) -> float:
     """Seconds from submitting prompt alone to its first token."""
-    from tests.e2e.harness import generate
-
     return _median_time(lambda: generate(llm, [prompt], 1), 1)
 
 
@@ -139,8 +94,7 @@ def bench_copy(repeat: int = 7) -> dict[str, float]:
     ids = list(range(3, 3 + 7 * bpc, 7))
     src = np.concatenate([k[ids].view(torch.uint8).numpy().reshape(-1) for k in kv])
     dst = np.frombuffer(arena, dtype=np.uint8)
-    # Interleaved round by round and best of each, as the storage benchmark does: this VM's host
-    # stalls now and then, and a stall must not land on one side of the ratio only.
+    # Interleaved round by round and best of each: a stall of the host must not land on one side only.
     save_s = load_s = memcpy_s = float("inf")
     for _ in range(repeat):
         save_s = min(save_s, _median_time(lambda: (copier.save(slot, ids), copier.wait()), 1))
@@ -186,7 +140,7 @@ def _off_the_model_core() -> Callable[[], None]:
     """A preexec_fn that runs the child on the CPUs this process started with.
 
     Once an in-process engine has run, vLLM has bound this thread to the model's core; a service or
-    Redis started from here would inherit that, which no deployment does (see app/affinity.py).
+    Redis started from here would inherit that, which no deployment does (see runtime/affinity.py).
     """
     from kvtier.runtime.affinity import engine_cpus, run_on
 
@@ -205,7 +159,8 @@ def _service(tmp: Path, **settings: Any) -> Iterator[str]:
     sock = tmp / "kvtier.sock"
     with arena_dir(tmp, ARENA_BYTES) as shm:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env.update({"KVTIER_SHM_DIR": str(shm), "KVTIER_CPU_SIZE": str(ARENA_BYTES), "PYTHONPATH": str(ROOT)})
+        # No PYTHONPATH: the service imports kvtier as this interpreter does (installed, or the checkout).
+        env.update({"KVTIER_SHM_DIR": str(shm), "KVTIER_CPU_SIZE": str(ARENA_BYTES)})
         env.update({f"KVTIER_{k.upper()}": str(v) for k, v in settings.items()})
         with open(tmp / "service.log", "w") as log:
             proc = subprocess.Popen(
@@ -233,6 +188,7 @@ def _service(tmp: Path, **settings: Any) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _redis(tmp: Path) -> Iterator[str | None]:
+    """A redis-server on a free loopback port, once it answers PING; None where none is installed."""
     binary = shutil.which("redis-server")
     if binary is None:
         yield None
@@ -258,22 +214,31 @@ def _redis(tmp: Path) -> Iterator[str | None]:
         stderr=subprocess.DEVNULL,
         preexec_fn=_off_the_model_core(),
     )
+    url = f"redis://127.0.0.1:{port}/0"
     try:
-        time.sleep(0.3)
-        yield f"redis://127.0.0.1:{port}/0"
+        _wait_pong(proc, url)
+        yield url
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def _kv(url: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"service_url": url, **extra},
-    }
+def _wait_pong(proc: subprocess.Popen[bytes], url: str, timeout: float = 30) -> None:
+    """Wait until the redis-server at url answers PING (it listens a moment after it starts)."""
+    import redis
+
+    deadline = time.monotonic() + timeout
+    with redis.Redis.from_url(url, socket_connect_timeout=1) as client:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"redis-server at {url} did not answer within {timeout:.0f} s"
+                    ) from None
+                time.sleep(0.05)
 
 
 def _wait_drained(client: Any) -> None:
@@ -324,8 +289,8 @@ def _wait_stored(client: Any, chunks: int) -> None:
 # ---------------------------------------------------------------------------- (b) scheduler share
 
 
-def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str, Any]:
-    """Connector time on the scheduler thread with 256 running requests, vs vLLM's own schedule().
+def bench_scheduler(model: str, tmp: Path, num_requests: int = SCHEDULER_REQUESTS) -> dict[str, Any]:
+    """Connector time on the scheduler thread with num_requests running requests, vs vLLM's schedule().
 
     The numerator is every connector hook vLLM calls on its scheduler thread (from add_request and
     update_from_output too, stats included); the denominator is schedule() without the hooks it
@@ -334,11 +299,8 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
     The requests arrive once the connector is connected to the service: behind vLLM's API server
     an engine is up, and its connector connected, long before its first request, whereas an
     EngineCore given its requests the moment it is built would have the first step wait for the
-    handshake (3-5 ms here, a third of all the hooks' time over a run), a cost of starting up, not
-    of a step.
+    handshake, a cost of starting up, not of a step.
     """
-    from tests.e2e.engine_core import run_engine_core  # the same driver the tests use
-
     clock = PhaseClock()
 
     def instrument(core: Any) -> None:
@@ -352,7 +314,7 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
     prompts = [[int(t) for t in p] for p in prompts]
     with _service(tmp / "sched") as url:
         run_engine_core(
-            model, prompts, 64, _kv(url, chunk_size=32), async_scheduling=False,
+            model, prompts, 64, kv_transfer_config(service_url=url, chunk_size=32), async_scheduling=False,
             enable_prefix_caching=False, max_num_seqs=num_requests, max_model_len=256,
             on_start=instrument,
         )  # fmt: skip
@@ -367,14 +329,16 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = 256) -> dict[str,
     }
 
 
-# Engines: one run of 77 steps moves by up to 2x with one stall of this VM (0.089 to 0.148 in a day).
+# One engine's fraction moves with a single stall of the host: the median engine of several is reported.
 SCHEDULER_RUNS = 5
 
 
-def bench_scheduler_runs(model: str, tmp: Path, runs: int = SCHEDULER_RUNS) -> dict[str, Any]:
+def bench_scheduler_runs(
+    model: str, tmp: Path, runs: int = SCHEDULER_RUNS, num_requests: int = SCHEDULER_REQUESTS
+) -> dict[str, Any]:
     """bench_scheduler in `runs` engines: the run with the median fraction, and every fraction."""
     taken = sorted(
-        (bench_scheduler(model, tmp / f"sched-{i}") for i in range(runs)),
+        (bench_scheduler(model, tmp / f"sched-{i}", num_requests) for i in range(runs)),
         key=lambda fig: fig["scheduler_overhead_fraction"],
     )
     return {**taken[len(taken) // 2], "fractions": [fig["scheduler_overhead_fraction"] for fig in taken]}
@@ -386,25 +350,15 @@ def warm_up_prompts(engine: dict[str, Any], prompt_tokens: int) -> int:
     to use each of its KV blocks once.
 
     vLLM hands out free blocks oldest-freed first, so a fresh engine's prompts go to blocks it never
-    touched until the whole KV cache was used once. Measured on this VM, two engines side by side
-    took 160-350 ms for a prompt that both ran in 155-165 ms after their first ~10 prompts; timed
-    from the start, two engines with identical settings differed by up to 1.7x.
+    touched until the whole KV cache was used once, and those first prompts run slower and erratically.
     """
-    from kvtier.bench.models import BENCH
-
     return int(engine["kv_cache_memory_bytes"]) // (prompt_tokens * BENCH.kv_bytes_per_token) + 1
 
 
 # The miss figure: pairs of engines in processes of their own, one with kvtier and one without, up
-# side by side and sampled in turn (see bench/engine_proc.py). Warmed up, one pair's ratio still moved
-# by +-8% from one pair to the next (each engine start had its own speed on this VM), so it pools 8
-# pairs. Most of that was glibc trimming some engines' heaps on every prompt and not others'; with
-# the heap kept (STEADY_MALLOC_ENV) the pairs of two runs spread 0.988-1.032 and 0.991-1.07, against
-# 0.90-1.18 before. kvtier's engine used to start second in every pair; in one run of 8 pairs with the
-# order alternating, the forward of kvtier's engine ran 0.99-1.02x of the other's when it started
-# second and 0.96-0.99x when it started first, and in the next run the kvtier-first half was the
-# slower one (1.09 against 1.01). Whatever the order does, alternating it (half the pairs each way,
-# both halves reported) keeps it from leaning the ratio one way.
+# side by side and sampled in turn (bench/engine_proc.py). Each engine start has a speed of its own,
+# so the ratio pools several pairs, and which engine starts first alternates so the order cannot
+# lean it either way (docs/performance.md has the spreads that set these numbers).
 MISS_PAIRS = 8
 MISS_SAMPLES = 9  # per case and pair
 MISS_CASES = ("off", "miss", "bypassed")
@@ -421,7 +375,6 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     background work (the save copy, the service's disk writes) is done, whatever its case."""
     from kvtier.app.client import ServiceClient
     from kvtier.runtime.affinity import engine_cpus
-    from tests.e2e.harness import make_prompt
 
     cpus = engine_cpus()  # not the one core an in-process engine may have bound this thread to
     seeds = iter(range(20_000, 1_000_000))
@@ -434,7 +387,7 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
             )
             client = stack.enter_context(ServiceClient(url))
             # Which engine starts first alternates (see MISS_PAIRS).
-            configs = {"off": None, "on": _kv(url, chunk_size=TTFT_CHUNK)}
+            configs = {"off": None, "on": kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK)}
             order = ("on", "off") if _kvtier_first(pair) else ("off", "on")
             procs = {
                 name: stack.enter_context(EngineProcess(model, configs[name], engine, cpus)) for name in order
@@ -529,10 +482,8 @@ def bench_ttft(
     the floor assumes.
     """
     from kvtier.app.client import ServiceClient
-    from kvtier.bench.models import BENCH
     from kvtier.connector.planning import Geometry, external_tokens
     from kvtier.storage.base import Tier
-    from tests.e2e.harness import generate_each, make_prompt, running_engine
 
     engine = dict(enable_prefix_caching=False, max_model_len=4096, kv_cache_memory_bytes=512 << 20)
     loaded = external_tokens(prompt_tokens // TTFT_CHUNK, 0, prompt_tokens, Geometry(32, TTFT_CHUNK))
@@ -553,20 +504,14 @@ def bench_ttft(
         with _service(tmp / "svc", **settings) as url:
             client = ServiceClient(url)
             client.wait_connected(10)
-            with running_engine(model, _kv(url, chunk_size=TTFT_CHUNK), **engine) as llm:
+            kv = kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK)
+            with running_engine(model, kv, **engine) as llm:
                 with kvtier_bypassed(llm):  # warmed as bench_miss warms: nothing stored
                     generate_each(llm, warm_up, 1)
                 out["ttft_miss_ms"] = ttft(llm, prompts)  # stores them
                 _wait_stored(client, _full_chunks(prompts))
-                # The floor's one-token TTFT comes from this same engine (engines differ, see above),
-                # and its cold memcpy from this process, each sample next to a hit's (the memory's
-                # speed drifts too: 11-20 GB/s from one run to the next here). Hits of a prompt
-                # again, 3 rounds over the 5 prompts: a hit changes nothing stored, and 5 prompts'
-                # slots (120 MiB) are cold again by their next turn, as the floor's memcpy is.
-                # The floor copies, then computes one token, as a hit does: its one-token prompt runs
-                # right after the cold memcpy, which left the CPU's caches as a hit's copy leaves them
-                # for its forward. A one-token prompt right after a hit (caches warm from the hit's
-                # forward) is reported beside it.
+                # The floor's parts come from this engine and process, each sample next to a hit's,
+                # so engine-to-engine differences and memory-speed drift land on both sides.
                 figures, memcpy_s, hit_phases = _cpu_hit_and_floor(llm, prompts, kv_bytes)
                 out.update(figures)
                 _wait_released(client)
@@ -580,8 +525,7 @@ def bench_ttft(
                     before = _hit_tokens(client)
                     out["ttft_redis_hit_ms"] = ttft(llm, prompts)
                     _check_hits(client, before, "redis", loaded * repeat)
-                # With Redis too, each miss's 24 MiB are also written to a redis-server on these
-                # same 2 cores while the next prompt computes.
+                # With Redis too: each miss is also written to a redis-server on the same cores.
                 out["ttft_miss_fresh_all_tiers_ms"] = ttft(llm, fresh_all)
                 out["hit_tokens"] = client.stats().result(10)["hit_tokens"]
             client.close()
@@ -592,9 +536,8 @@ def bench_ttft(
         out["ttft_vllm_prefix_hit_ms"] = ttft(llm, prompts)
         out["ttft_vllm_one_token_ms"] = ttft(llm, [[5]] * repeat)
     out.update(bench_hit_over_prefix_hit(model, tmp, engine, prompts, warm_up))
-    # A hit copies bytes nobody touched since they were stored (its slots, its free blocks), so the
-    # floor moves them at the speed of a memcpy of cold bytes; one 4 MiB chunk copied over and over
-    # (bench_copy's reference) stays in cache and runs about twice as fast here.
+    # A hit copies bytes untouched since they were stored: the floor takes a cold memcpy's speed,
+    # not that of bench_copy's reference, whose one chunk stays in cache.
     memcpy = round(kv_bytes / memcpy_s / 1e9, 2)
     memcpy_ms = memcpy_s * 1000
     floor_ms = memcpy_ms + out["ttft_one_token_ms"] * 1000
@@ -677,20 +620,21 @@ def bench_hit_over_prefix_hit(
     rounds: int = 3,
 ) -> dict[str, float]:
     """What a kvtier CPU hit costs over vLLM's own prefix-cache hit of the same prompt, in one engine
-    with both (the hit that copies nothing; see the module docstring for why the floor is below it).
+    with both (the hit that copies nothing; docs/performance.md says why the floor is below it).
 
     Rounds of: vLLM hits of every prompt (its cache holds them), its cache reset, kvtier CPU hits of
     every prompt (which vLLM caches again). Medians of single samples, in seconds.
     """
     from kvtier.app.client import ServiceClient
-    from tests.e2e.harness import generate_each, running_engine
 
     vllm_hits: list[float] = []
     kvtier_hits: list[float] = []
     with _service(tmp / "svc-prefix") as url, ServiceClient(url) as client:
         client.wait_connected(10)
         with running_engine(
-            model, _kv(url, chunk_size=TTFT_CHUNK), **{**engine, "enable_prefix_caching": True}
+            model,
+            kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK),
+            **{**engine, "enable_prefix_caching": True},
         ) as llm:
             with kvtier_bypassed(llm):
                 generate_each(llm, warm_up, 1)
@@ -720,19 +664,20 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="kvtier bench connector", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--skip-ttft", action="store_true", help="only the copy and scheduler parts")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"one copy round and one scheduler engine of {QUICK_REQUESTS} requests, no TTFT part: "
+        "shows the benchmark runs end to end (its figures are not meant to be reported)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # Every engine (and this process, whose torch has allocated nothing yet: torch reads this once,
-    # at its first allocation) puts its weights and KV cache on transparent huge pages where the
-    # kernel allows them (THP "madvise" or "always"), as PyTorch's CPU tuning guides advise. With
-    # 4 KiB pages, two identical engines side by side ran 0.93-1.19x of each other (A/A pairs);
-    # with huge pages 0.99-1.09x, and each about 7% faster. Both sides of every ratio get the same.
+    # Engines (and this process: torch reads it at its first allocation) keep weights and KV cache
+    # on transparent huge pages where the kernel allows, which steadies engine-to-engine speed.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # vLLM logs to stdout unless told otherwise; --json promises one JSON object there.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from kvtier.bench.models import BENCH, TINY, build_model
-
-    result: dict[str, Any] = {"copy": bench_copy()}
+    result: dict[str, Any] = {"copy": bench_copy(1 if args.quick else 7)}
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
         # vLLM's engines leave their ZeroMQ socket files behind (in /tmp by default): here they go
@@ -741,8 +686,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     ):
         work = Path(tmp)
         tiny = str(build_model(work / "tiny", TINY))
-        result["scheduler"] = bench_scheduler_runs(tiny, work)
-        if not args.skip_ttft:
+        if args.quick:
+            result["scheduler"] = bench_scheduler_runs(tiny, work, runs=1, num_requests=QUICK_REQUESTS)
+        else:
+            result["scheduler"] = bench_scheduler_runs(tiny, work)
+        if not (args.skip_ttft or args.quick):
             result["ttft"] = bench_ttft(str(build_model(work / "bench", BENCH)), work)
     result["copy_ratio"] = result["copy"]["copy_ratio"]
     result["scheduler_overhead_fraction"] = result["scheduler"]["scheduler_overhead_fraction"]

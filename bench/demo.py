@@ -34,7 +34,6 @@ from typing import Any
 from kvtier.bench.arena_dir import arena_dir
 from kvtier.bench.models import BENCH, WORDS, build_model
 
-ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0
 ARENA_BYTES = 512 << 20  # the embedded service's CPU tier
 # vLLM's CPU build reserves one more core whenever any KV connector is configured (for NIXL's threads).
@@ -56,11 +55,7 @@ def _text(rng: random.Random, words: int) -> str:
 
 def warm_up(server: Server) -> None:
     """One prompt longer than the first round's, on a topic of its own, so round 1 times a warm
-    engine. An engine's first long prompt is slower by itself: here by 0-40 ms without kvtier and by
-    50-90 ms with it (there all of it in the forward, where no kvtier code runs). Part of it is memory this
-    VM's host had not backed yet (touching 2 GiB in another process first took about two thirds of it
-    away; kvtier's processes map their arena at start); the rest was not found. After a warm-up as
-    long as round 1's prompt, round 1 came out at 0.83-1.17x (4 runs); after this one, 0.92-1.05x (3)."""
+    engine: an engine's first long prompt is slower by itself (docs/performance.md)."""
     rng = random.Random(1)
     server.chat("demo", [{"role": "user", "content": "Warm-up: " + _text(rng, 1500)}], 4)
 
@@ -141,7 +136,6 @@ def vllm_server(model: str, workdir: Path, kv_config: dict[str, Any] | None, nam
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", CPU_RESERVED)
     # vLLM leaves its ZeroMQ socket files behind when it exits (in /tmp by default): in the demo's
     # directory they go with it.

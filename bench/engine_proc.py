@@ -1,14 +1,12 @@
 """A vLLM engine in a process of its own that times one prompt at a time on request.
 
 Two of these, one with kvtier and one without, stay up side by side and take turns, so a comparison
-between them is not skewed by this VM drifting over time: engines started one after another on it
-differ by up to 40% for the same prompts, while two engines sampled in turn see the same drift.
-Only one of them computes at a time; the other waits in ``Connection.recv``, using no CPU.
-Each sample also says how long the model's forward took and how long kvtier's hooks did
-(bench/phases.py), so a gap between the two engines can be told apart: kvtier's own work on the
-prompt's path, or the same forward running slower in the other process. The child takes its samples
-with ``engine_clock`` and ``time_prompt``, which time an engine running in the calling process;
-kvtier.bench.connector calls them on its in-process engines too. ``phase_ms`` and ``hook_ms`` take medians.
+between them sees the same drift of the machine's speed; only one computes at a time, the other waits
+in ``Connection.recv``. Each sample also splits its time into the model's forward and kvtier's hooks
+(bench/phases.py), so kvtier's own work on the prompt's path is told apart from the same forward
+running slower in the other process. ``engine_clock`` and ``time_prompt`` time an engine running in
+the calling process (the child's, or kvtier.bench.connector's in-process engines); ``phase_ms`` and
+``hook_ms`` take medians.
 """
 
 from __future__ import annotations
@@ -25,20 +23,17 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
-from kvtier.bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock, model_runner
+from kvtier.bench.harness import generate, make_prompt, running_engine
+from kvtier.bench.introspect import model_runner, scheduler_connector, worker_connector
+from kvtier.bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock
 
 # A start loads vLLM and builds the engine; several minutes means it is stuck.
 START_TIMEOUT_S = 600.0
 SAMPLE_TIMEOUT_S = 300.0
 
-# glibc's malloc, which vLLM's CPU build runs on here (it preloads tcmalloc only when its wheel bundles
-# one; this one does not), gives the top of its heap back to the kernel whenever a free leaves more
-# than its trim threshold free there. Whether a forward's activations end up there depends on where
-# the engine's other allocations happened to land: one engine re-faults tens of MB of them on every
-# prompt, the next, started the same way, none. Measured over 4 pairs of identical engines without
-# kvtier (1537-token prompts): 352 to 28,949 page faults per prompt and 1.003-1.114x between the two
-# engines of a pair; with the thresholds below, no faults and 1.002-1.019x. Both engines of every
-# comparison run with them, so an engine's luck does not pass for kvtier's cost.
+# glibc's malloc gives the top of its heap back to the kernel after large frees, and whether a
+# forward's activations land there differs from one engine to the next: some engines re-fault them on
+# every prompt. Both engines of every comparison keep their heap (docs/performance.md has the figures).
 STEADY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
@@ -102,7 +97,6 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
     keeps its connector configured, so only kvtier's own work is left out. No lookup is sent either:
     its answer would go unread (and a hit's lease held until it expired)."""
     from kvtier.connector.metadata import KVTierMetadata
-    from tests.e2e.introspect import scheduler_connector
 
     conn = scheduler_connector(llm)
     stand_ins = {
@@ -129,8 +123,6 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
 def engine_clock(llm: Any, kvtier: bool) -> PhaseClock:
     """A PhaseClock on an engine running in this process: its model's forward, and kvtier's
     connector hooks (scheduler and worker side) where it runs kvtier; restore() takes it off."""
-    from tests.e2e.introspect import scheduler_connector, worker_connector
-
     clock = PhaseClock()
     clock.time_span(model_runner(llm), "_model_forward")
     if kvtier:
@@ -142,8 +134,6 @@ def engine_clock(llm: Any, kvtier: bool) -> PhaseClock:
 def time_prompt(llm: Any, clock: PhaseClock, prompt: list[int], bypass: bool = False) -> Sample:
     """Time prompt alone to its first token in an engine running in this process, with the phases
     clock (engine_clock) saw meanwhile; bypass: kvtier answers "nothing"."""
-    from tests.e2e.harness import generate
-
     clock.take()  # from here on
     start = time.perf_counter()
     if bypass:
@@ -164,8 +154,6 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
         from kvtier.runtime.affinity import run_on
 
         run_on(cpus)  # the parent may already be bound to one core by an in-process engine
-        from tests.e2e.harness import generate, make_prompt, running_engine
-
         with running_engine(model, kv_config, **engine) as llm:
             generate(llm, [make_prompt(2, 64)], 1)  # warm up
             clock = engine_clock(llm, kvtier=kv_config is not None)

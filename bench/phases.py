@@ -106,14 +106,3 @@ class PhaseClock:
         while self._wrapped:
             obj, name = self._wrapped.pop()
             delattr(obj, name)
-
-
-def model_runner(llm: Any) -> Any:
-    """The model runner of an LLM whose engine core and worker run in this process."""
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    worker = getattr(executor, "driver_worker", None)
-    worker = getattr(worker, "worker", worker)  # a WorkerWrapperBase holds the worker
-    runner = getattr(worker, "model_runner", None)
-    if runner is None:
-        raise RuntimeError(f"no model runner found under {type(executor).__name__}.driver_worker")
-    return runner

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from kvtier.bench.engine_proc import Sample, engine_clock, hook_ms, kvtier_bypassed, phase_ms, time_prompt
-from kvtier.bench.phases import PhaseClock, model_runner
+from kvtier.bench.introspect import model_runner
+from kvtier.bench.phases import PhaseClock
 
 
 class _Clock:
@@ -149,7 +150,7 @@ def test_model_runner_is_found_under_the_worker_wrapper_or_the_worker() -> None:
 
 
 def _engine(runner: Any, scheduler_connector: Any) -> Any:
-    """An in-process LLM as bench/phases.py and tests/e2e/introspect.py reach into it."""
+    """An in-process LLM as bench/introspect.py reaches into it."""
     core = SimpleNamespace(
         model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
         scheduler=SimpleNamespace(connector=scheduler_connector),
@@ -163,7 +164,7 @@ def test_time_prompt_splits_one_prompt_into_the_forward_kvtier_hooks_and_the_res
     worker = _Connector(clock)
     runner = _Runner(clock, worker)
     llm = _engine(runner, SimpleNamespace())  # a scheduler side without hooks of its own
-    monkeypatch.setattr("tests.e2e.introspect.worker_connector", lambda: worker)
+    monkeypatch.setattr("kvtier.bench.engine_proc.worker_connector", lambda: worker)
     prompts: list[list[int]] = []
 
     def generate(engine: Any, batch: list[list[int]], max_tokens: int) -> None:
@@ -173,7 +174,7 @@ def test_time_prompt_splits_one_prompt_into_the_forward_kvtier_hooks_and_the_res
         runner._model_forward()
         worker.wait_for_save()
 
-    monkeypatch.setattr("tests.e2e.harness.generate", generate)
+    monkeypatch.setattr("kvtier.bench.engine_proc.generate", generate)
     timer = engine_clock(llm, kvtier=True)
     clock.now += 5.0  # before the prompt: not counted
     sample = time_prompt(llm, timer, [1, 2, 3])

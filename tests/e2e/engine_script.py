@@ -9,18 +9,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
-def run_engine_process(job: dict, env: dict[str, str] | None = None) -> dict:
-    """Run the job in a fresh Python process; its JSON result (fails the test if the engine failed)."""
+def run_engine_process(job: dict, env: dict[str, str] | None = None, cwd: Path | None = None) -> dict:
+    """Run the job in a fresh Python process, in cwd (the checkout by default; `-m` puts it first on
+    sys.path); its JSON result (fails the test if the engine failed)."""
     import subprocess
-    from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
     base = dict(os.environ) if env is None else env
     proc = subprocess.run(
         [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
-        cwd=repo,
+        cwd=repo if cwd is None else cwd,
         env={**base, "PYTHONPATH": str(repo)},
         capture_output=True,
         text=True,
@@ -34,7 +35,7 @@ def main() -> int:
     """Parse the job, run it, print {"tokens": [[...]], "preemptions": n} on the last line."""
     job = json.loads(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job.get("multiprocess") else "0"
-    from tests.e2e.harness import generate, generate_each, metric, preemptions, running_engine
+    from kvtier.bench.harness import generate, generate_each, metric, preemptions, running_engine
 
     overrides = job.get("engine", {})
     run = generate_each if job.get("one_at_a_time") else generate

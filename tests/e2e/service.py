@@ -45,7 +45,7 @@ class RunningService:
 
     def wait_leases_ended(self, timeout: float = 10) -> None:
         """Wait (bounded) until no lease is active: the connector ends a finished request's lease
-        with release_nowait(), which reaches the service with its next call or sweep, not at once."""
+        with release(), which reaches the service with its next call or sweep, not at once."""
         if not wait_until(lambda: self.stats()["leases_active"] == 0, timeout):
             raise AssertionError(f"leases still active after {timeout} s: {self.stats()}")
 

@@ -6,16 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine_core import run_engine_core
-from tests.e2e.harness import (
+from kvtier.bench.engine_core import run_engine_core
+from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
+from tests.e2e.oracle import (
     PREEMPTION_ENGINE,
     PREEMPTION_MAX_TOKENS,
     PREEMPTION_PROMPT_LEN,
     assert_same_outputs,
-    generate_each,
-    kv_transfer_config,
-    make_prompt,
-    running_engine,
 )
 from tests.e2e.service import running_service
 

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.storage.base import Tier
-from tests.e2e.harness import (
-    PREEMPTION_ENGINE,
-    PREEMPTION_MAX_TOKENS,
-    PREEMPTION_PROMPT_LEN,
-    assert_same_outputs,
+from kvtier.bench.harness import (
     generate,
     generate_each,
     kv_transfer_config,
@@ -21,7 +16,14 @@ from tests.e2e.harness import (
     preemptions,
     running_engine,
 )
-from tests.e2e.introspect import scheduler_totals, worker_totals
+from kvtier.bench.introspect import scheduler_connector, scheduler_totals, worker_totals
+from kvtier.storage.base import Tier
+from tests.e2e.oracle import (
+    PREEMPTION_ENGINE,
+    PREEMPTION_MAX_TOKENS,
+    PREEMPTION_PROMPT_LEN,
+    assert_same_outputs,
+)
 from tests.e2e.service import running_service
 
 pytestmark = pytest.mark.e2e
@@ -63,6 +65,7 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
     assert work["loaded_tokens"] >= 4 * CHUNK
     assert work["failed_load_blocks"] == 0
     assert work["unwaited_layer_loads"] == 0, "vLLM waited for every layer's loads before its attention"
+    assert work["full_graph_loads"] == 0, "an eager forward on the CPU: loads overlap it layer by layer"
     assert prom_loaded == work["loaded_tokens"]
     assert prom_tiers["cpu"] >= 4 * CHUNK and prom_tiers["disk"] == 0
     # kvtier served this engine: its scheduler and worker said so to vLLM's metrics and the service.
@@ -143,8 +146,6 @@ def test_deleted_chunks_between_lookup_and_load_are_recomputed(
             svc.clear(Tier.CPU)
             # Lower-tier hits load asynchronously: the stage happens a step after the lookup.
             # Remove two chunk files behind the service's back in between, by hooking the lookup.
-            from tests.e2e.introspect import scheduler_connector
-
             sched = scheduler_connector(llm)._sched
             original = sched._start_lookup
 

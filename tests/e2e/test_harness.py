@@ -6,18 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.harness import Outputs, generate, generate_each, make_prompt, preemptions, running_engine
 from tests.e2e.engine_script import run_engine_process
-from tests.e2e.harness import (
+from tests.e2e.oracle import (
     PREEMPTION_ENGINE,
     PREEMPTION_MAX_TOKENS,
     PREEMPTION_PROMPT_LEN,
-    Outputs,
     assert_same_outputs,
-    generate,
-    generate_each,
-    make_prompt,
-    preemptions,
-    running_engine,
 )
 
 pytestmark = pytest.mark.e2e

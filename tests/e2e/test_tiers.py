@@ -7,16 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.harness import Outputs, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.storage.base import Tier
 from tests.e2e.engine_script import run_engine_process
-from tests.e2e.harness import (
-    Outputs,
-    assert_same_outputs,
-    generate_each,
-    kv_transfer_config,
-    make_prompt,
-    running_engine,
-)
+from tests.e2e.oracle import assert_same_outputs
 from tests.e2e.service import RunningService, running_service
 
 pytestmark = pytest.mark.e2e

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from kvtier.app.embedded import probe
+from kvtier.bench.harness import Outputs, generate, make_prompt, running_engine
+from kvtier.bench.introspect import scheduler_connector, worker_connector
 from kvtier.bench.models import TINY, build_model
 from kvtier.connector.stats import merge_counts
 from kvtier.storage.base import NamespaceSpec, Tier
-from tests.e2e.harness import Outputs, generate, make_prompt, running_engine
-from tests.e2e.introspect import scheduler_connector, worker_connector
 from tests.e2e.service import REPO, RunningService, stop_process
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.demo import free_port
-from tests.e2e.harness import make_prompt
+from kvtier.bench.harness import make_prompt
 from tests.support.leak_check import descendants
 
 REPO = Path(__file__).resolve().parents[2]

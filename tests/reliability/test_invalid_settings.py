@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.app.settings import SettingsError
-from tests.e2e.harness import kv_transfer_config, running_engine
+from kvtier.bench.harness import kv_transfer_config, running_engine
 from tests.reliability.conftest import NO_LOCAL_CACHE
 from tests.reliability.openai_load import REPO, kvtier_files, service_pids
 

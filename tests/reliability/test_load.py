@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import kv_transfer_config
+from kvtier.bench.harness import kv_transfer_config
 from tests.reliability.conftest import wait_for
 from tests.reliability.openai_load import (
     admin_stats,

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import assert_same_outputs, generate, generate_each, kv_transfer_config, running_engine
+from kvtier.bench.harness import generate, generate_each, kv_transfer_config, running_engine
+from tests.e2e.oracle import assert_same_outputs
 from tests.reliability.conftest import (
     CHUNK,
     MAX_TOKENS,

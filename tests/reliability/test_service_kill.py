@@ -25,15 +25,9 @@ from typing import Any
 import pytest
 
 from kvtier.app.client import DEFAULT_TIMEOUT_S
-from tests.e2e.harness import (
-    Outputs,
-    assert_same_outputs,
-    generate,
-    generate_each,
-    kv_transfer_config,
-    running_engine,
-)
-from tests.e2e.introspect import scheduler_connector, worker_connector
+from kvtier.bench.harness import Outputs, generate, generate_each, kv_transfer_config, running_engine
+from kvtier.bench.introspect import scheduler_connector, worker_connector
+from tests.e2e.oracle import assert_same_outputs
 from tests.reliability.conftest import (
     CHUNK,
     MAX_TOKENS,

@@ -1,7 +1,7 @@
-"""Real vLLM engines on the CPU build, for end-to-end tests: start, generate greedily, compare.
+"""Real vLLM engines on the CPU build, for benchmarks and end-to-end tests: start, generate greedily.
 
-The oracle of every end-to-end test: greedy outputs with kvtier equal the outputs of the same engine
-without any connector, token for token.
+An engine runs in the calling process unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` says otherwise;
+``Outputs`` holds its greedy token ids, which the tests' oracle compares with another run's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 # Scheduler and worker in this process: ~3 s per engine instead of ~20 s. Set before vLLM reads it.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's CPU build reserves one more core whenever a KV connector is configured, which changes the
-# OpenMP thread count (and with it bf16 rounding) between the runs the oracle compares. Pin it.
+# OpenMP thread count (and with it bf16 rounding) between runs with and without kvtier. Pin it.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 BLOCK_SIZE = 32
@@ -43,12 +43,6 @@ class Outputs:
         return ""
 
 
-def assert_same_outputs(expected: Outputs, actual: Outputs) -> None:
-    """Fail with the first differing token when two runs' greedy outputs are not identical."""
-    problem = expected.diff(actual)
-    assert not problem, f"outputs differ: {problem}"
-
-
 def make_prompt(seed: int, length: int, vocab_size: int = 1024) -> list[int]:
     """A deterministic prompt of token ids (special ids 0 and 1 avoided)."""
     rng = random.Random(seed)
@@ -66,7 +60,7 @@ def kv_transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def engine_kwargs(model: str, kv_config: dict[str, Any] | None = None, **overrides: Any) -> dict:
+def engine_kwargs(model: str, kv_config: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
     """Engine arguments that work on the CPU build with the tiny model."""
     kwargs: dict[str, Any] = dict(
         model=model,
@@ -85,7 +79,7 @@ def engine_kwargs(model: str, kv_config: dict[str, Any] | None = None, **overrid
 
 
 @contextlib.contextmanager
-def running_engine(model: str, kv_config: dict[str, Any] | None = None, **overrides: Any) -> Iterator:
+def running_engine(model: str, kv_config: dict[str, Any] | None = None, **overrides: Any) -> Iterator[Any]:
     """A vLLM LLM on the CPU build, shut down (connector included) on every path."""
     from vllm import LLM
 
@@ -128,10 +122,3 @@ def metric(llm: Any, name: str) -> float:
 def preemptions(llm: Any) -> int:
     """How many times vLLM's scheduler preempted a request in this engine."""
     return int(metric(llm, "vllm:num_preemptions"))
-
-
-# Forced preemption, as traced in the facts file: two 34-token prompts, 35 new tokens each, and four
-# usable 32-token blocks (one of the five is the null block) cannot hold both requests at once.
-PREEMPTION_ENGINE = dict(max_model_len=128, num_gpu_blocks_override=5)
-PREEMPTION_PROMPT_LEN = 34
-PREEMPTION_MAX_TOKENS = 35

@@ -1,4 +1,4 @@
-"""Reach the connector objects of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+"""Reach the kvtier connectors and model runner of an engine running in this process."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def scheduler_totals(llm: Any) -> dict[str, Any]:
 def worker_totals() -> dict[str, Any]:
     """Worker-side counters accumulated since the engine started."""
     return dict(worker_connector()._worker.totals)
+
+
+def model_runner(llm: Any) -> Any:
+    """The model runner of an LLM whose engine core and worker run in this process."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    worker = getattr(executor, "driver_worker", None)
+    worker = getattr(worker, "worker", worker)  # a WorkerWrapperBase holds the worker
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise RuntimeError(f"no model runner found under {type(executor).__name__}.driver_worker")
+    return runner

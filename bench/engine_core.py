@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tests.e2e.harness import Outputs, engine_kwargs
+from kvtier.bench.harness import Outputs, engine_kwargs
 
 
 @dataclass
