@@ -252,9 +252,7 @@ def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Pope
     cpus = engine_cpus()
     if cpus:  # not the cores vLLM bound the spawning thread to (see app/affinity.py)
         cmd += ["--cpus", format_cpus(cpus)]
-    root = str(Path(__file__).resolve().parent.parent)
-    env = service_env(settings)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env = service_env(settings)  # the child finds kvtier as this process did (installed, or PYTHONPATH)
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
     # Reap the child whenever it exits so it never lingers as a zombie of the engine process.
     threading.Thread(target=proc.wait, name="kvtier-service-reaper", daemon=True).start()

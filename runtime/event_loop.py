@@ -6,7 +6,7 @@ import asyncio
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop when it is installed (about 2x faster socket round trips), else asyncio's."""
+    """uvloop's loop when it is installed (faster socket round trips), else asyncio's."""
     try:
         import uvloop
     except ImportError:
