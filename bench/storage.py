@@ -371,7 +371,6 @@ def _worst(rows: list[dict[str, Any]], *names: str) -> dict[str, float]:
     return {n: min(r[n] for r in rows) for n in names if rows and all(n in r for r in rows)}
 
 
-@contextlib.contextmanager
 def _redis_config(settings: KVTierSettings, update: dict[str, Any], **more: Any) -> RedisConfig:
     """The Redis tier's config from the settings with some of them replaced."""
     config = storage_config(settings.model_copy(update={**update, **more})).redis
@@ -379,6 +378,7 @@ def _redis_config(settings: KVTierSettings, update: dict[str, Any], **more: Any)
     return config
 
 
+@contextlib.contextmanager
 def _redis_url(settings: KVTierSettings, want: bool) -> Iterator[tuple[str | None, str]]:
     if not want:
         yield None, "disabled by --no-redis"
