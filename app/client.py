@@ -4,7 +4,7 @@ Who owns what: a ``ServiceClient`` owns one background thread running its own ev
 loop owns the connection, the reconnect schedule and the timeout sweep (kvtier.app.client_loop).
 Public methods may be called from any thread: each encodes its request and, while connected, writes
 it to the socket itself (non-blocking, under the client's lock, with any remainder flushed by the
-loop), then returns a ``concurrent.futures.Future``. A thread that blocks on that future reads the
+loop), then returns a ``Call``, a future. A thread that blocks on that future reads the
 socket itself while no other thread does (kvtier.app.client_call): its reply wakes it directly.
 While the service is unreachable every call fails immediately with ``ServiceUnavailable`` (a
 connector turns it into a miss); the loop keeps reconnecting with backoff, calls ``on_unavailable``
@@ -29,7 +29,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from kvtier.app import protocol as p
@@ -51,6 +50,7 @@ from kvtier.storage.base import ArenaInfo, NamespaceSpec, SlotRef, Tier
 __all__ = [
     "AuthFailed",
     "Backoff",
+    "Call",
     "CallTimeout",
     "ClientClosed",
     "ConstantBackoff",
@@ -75,7 +75,7 @@ HOLD_BYTES = 4096
 
 
 class ServiceClient(ClientLoop):
-    """Thread-safe client of one kvtier service; every call returns a concurrent Future."""
+    """Thread-safe client of one kvtier service; every call returns a Call (a future)."""
 
     def __init__(
         self,
@@ -94,7 +94,7 @@ class ServiceClient(ClientLoop):
         atexit.register(self.close)
 
     # ----------------------------------------------------------------------------------- public API
-    def hello(self, spec: NamespaceSpec | None = None, timeout: float | None = None) -> Future[HelloReply]:
+    def hello(self, spec: NamespaceSpec | None = None, timeout: float | None = None) -> Call[HelloReply]:
         """Register spec's namespace (kept across reconnects); learn the arena and instance id."""
         if spec is not None:
             with self._lock:
@@ -111,7 +111,7 @@ class ServiceClient(ClientLoop):
         *,
         replaces: str = "",
         hold: bool = False,
-    ) -> Future[LookupReply]:
+    ) -> Call[LookupReply]:
         """Count leading stored chunks and lease them under lease_id (replacing that lease); then
         end the lease replaces, when set, as a release of it right after would (one call, not two,
         and a lookup that finds the same chunks takes over their pins).
@@ -131,13 +131,13 @@ class ServiceClient(ClientLoop):
         )
         return self._call(msg, timeout, folded, hold)
 
-    def stage(self, lease_id: str, timeout: float | None = None) -> Future[StageReply]:
+    def stage(self, lease_id: str, timeout: float | None = None) -> Call[StageReply]:
         """Bring every chunk of the lease into arena slots."""
         return self._call(p.Stage(id=next(self._ids), lease_id=lease_id), timeout)
 
     def reserve(
         self, namespace: str, hashes: list[bytes], timeout: float | None = None
-    ) -> Future[ReserveReply]:
+    ) -> Call[ReserveReply]:
         """Slots to fill for these chunks; each must end in commit() or abort()."""
         return self._call(p.Reserve(id=next(self._ids), namespace=namespace, hashes=hashes), timeout)
 
@@ -148,16 +148,14 @@ class ServiceClient(ClientLoop):
         slots: list[SlotRef],
         instance_id: str = "",
         timeout: float | None = None,
-    ) -> Future[None]:
+    ) -> Call[None]:
         """Publish filled slots; with instance_id, fails with StaleInstance after a restart."""
         msg = p.Commit(
             id=next(self._ids), namespace=namespace, hashes=hashes, slots=slots, instance_id=instance_id
         )
         return self._call(msg, timeout)
 
-    def abort(
-        self, slots: list[SlotRef], instance_id: str = "", timeout: float | None = None
-    ) -> Future[None]:
+    def abort(self, slots: list[SlotRef], instance_id: str = "", timeout: float | None = None) -> Call[None]:
         """Give reserved slots back unfilled."""
         return self._call(p.Abort(id=next(self._ids), slots=slots, instance_id=instance_id), timeout)
 
@@ -174,25 +172,25 @@ class ServiceClient(ClientLoop):
         with self._lock:
             self._sweep_later()
 
-    def delete(self, namespace: str, hashes: list[bytes], timeout: float | None = None) -> Future[int]:
+    def delete(self, namespace: str, hashes: list[bytes], timeout: float | None = None) -> Call[int]:
         """Remove chunks from every tier; the future gives how many were found."""
         return self._call(p.Delete(id=next(self._ids), namespace=namespace, hashes=hashes), timeout)
 
-    def clear(self, tiers: list[Tier] | None = None, timeout: float | None = None) -> Future[int]:
+    def clear(self, tiers: list[Tier] | None = None, timeout: float | None = None) -> Call[int]:
         """Drop every unleased chunk of these tiers (None = all); gives how many were dropped."""
         return self._call(p.Clear(id=next(self._ids), tiers=[int(t) for t in tiers or []]), timeout)
 
-    def stats(self, timeout: float | None = None) -> Future[dict[str, Any]]:
+    def stats(self, timeout: float | None = None) -> Call[dict[str, Any]]:
         """The `kvtier stats --json` object."""
         return self._call(p.Stats(id=next(self._ids)), timeout)
 
-    def health(self, timeout: float | None = None) -> Future[HealthReply]:
+    def health(self, timeout: float | None = None) -> Call[HealthReply]:
         """Whether the service can serve, and each tier's state."""
         return self._call(p.Health(id=next(self._ids)), timeout)
 
     def report(
         self, engine_id: str, role: str, active: bool, reason: str = "", timeout: float | None = None
-    ) -> Future[None]:
+    ) -> Call[None]:
         """Tell the service whether this side (role) of the engine serves, and why not. The service
         lists it while this client is connected; it is told again after every reconnect."""
         msg = p.Report(
@@ -248,7 +246,7 @@ class ServiceClient(ClientLoop):
         self.close()
 
     # ---------------------------------------------------------------------------------- caller side
-    def _call(self, msg: Any, timeout: float | None, folded: str = "", hold: bool = False) -> Future[Any]:
+    def _call(self, msg: Any, timeout: float | None, folded: str = "", hold: bool = False) -> Call[Any]:
         """Send msg and return its future; folded is a kept release msg carries, hold says the
         frame may wait for company (see lookup)."""
         if self._closed or self._forks != Forks.count:
@@ -264,7 +262,7 @@ class ServiceClient(ClientLoop):
         if self._releases:  # ids no lookup took: Release frames, held to go out ahead of this one
             self._send_releases()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        call = Call(self, msg.id, frame, CONVERT[type(msg)], deadline)
+        call: Call[Any] = Call(self, msg.id, frame, CONVERT[type(msg)], deadline)
         with self._lock:
             conn = self._conn
             if self._state is READY and conn is not None:

@@ -523,12 +523,12 @@ class ClientLoop:
         futures = []
         deadline = time.monotonic() + self._connect_timeout
         for msg in messages:
-            call = Call(None, msg.id, self._encode(msg), CONVERT[type(msg)], deadline)
+            call: Call[Any] = Call(None, msg.id, self._encode(msg), CONVERT[type(msg)], deadline)
             with self._lock:
                 self._pending[call.id] = call
                 if not conn.write(call.frame):
                     raise ServiceUnavailable("connection lost during the handshake")
-            futures.append(asyncio.wrap_future(call))
+            futures.append(call.to_asyncio(self._loop))
         try:
             replies = await asyncio.wait_for(asyncio.gather(*futures), self._connect_timeout)
         except TimeoutError:

@@ -9,14 +9,13 @@ are read from vLLM's request each step, never copied. Lookups go to the service 
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.app.client import LookupReply, ServiceClient
+from kvtier.app.client import Call, LookupReply, ServiceClient
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.planning import (
@@ -36,7 +35,7 @@ _NEVER = 1 << 62  # a token count no request reaches
 
 @dataclass(slots=True)
 class _Lookup:
-    future: concurrent.futures.Future[LookupReply]
+    future: Call[LookupReply]
     num_chunks: int
     lease_id: str
     started: float
@@ -124,7 +123,7 @@ class SchedulerSide:
         except Exception as exc:
             # The client's CallTimeout is a TimeoutError too: only a future still pending means
             # "not answered yet"; a failed answer is a miss, now.
-            if isinstance(exc, concurrent.futures.TimeoutError) and not lookup.future.done():
+            if isinstance(exc, TimeoutError) and not lookup.future.done():
                 self._budget_left = 0.0  # one slow answer per step: others don't wait behind it
                 self.counters.lookups_deferred += 1
                 return None, False

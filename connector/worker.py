@@ -24,14 +24,13 @@ the forward.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.app.client import HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
+from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.copy import BlockCopier, LayerLoads
 from kvtier.connector.copy_thread import CopyError
@@ -73,7 +72,7 @@ class _StepLoads:
 @dataclass(slots=True)
 class _PendingLoad:
     job: LoadJob
-    future: concurrent.futures.Future[StageReply]
+    future: Call[StageReply]
     started: float
 
 
@@ -106,14 +105,14 @@ class WorkerSide:
         self._late_errors = 0
         self._saves_issued = 0  # save batches handed to the copier; they end in this order
         self._saves_done = 0
-        self._reserves: list[tuple[SaveJob, concurrent.futures.Future[ReserveReply]]] = []
+        self._reserves: list[tuple[SaveJob, Call[ReserveReply]]] = []
         self._async: dict[str, _PendingLoad] = {}
         self._load_errors: set[int] = set()
         self._failed_this_step: set[str] = set()
         self._finished_recving: set[str] = set()
         self._held_now: set[str] = set()  # held from this step's metadata, until its wait_for_save
         self._held: dict[str, int] = {}  # held request -> save batches that must end before it goes
-        self._hello: concurrent.futures.Future[HelloReply] | None = None
+        self._hello: Call[HelloReply] | None = None
         self._save_wait = SAVE_WAIT_S
         self._layer_index = {name: i for i, name in enumerate(cfg.layer_names)}
         self._all_layers = frozenset(self._layer_index.values())
@@ -156,7 +155,7 @@ class WorkerSide:
                 if reply.instance_id != self._arena.instance_id:
                     self._fence()  # no copy may still use the mapping that adopt() replaces
                 self._arena.adopt(reply, pin_here=wait > 0)  # at start-up; else off the serving path
-            except (ServiceError, concurrent.futures.TimeoutError, OSError) as exc:
+            except (ServiceError, TimeoutError, OSError) as exc:
                 log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
             except Exception as exc:  # a failed mapping must not take vLLM down
                 log.warning("kvtier: cannot map the arena: %s", exc)
@@ -385,7 +384,7 @@ class WorkerSide:
         for job, future in reserves:
             try:
                 reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
+            except TimeoutError:
                 future.add_done_callback(self._abort_late)
                 self.counters.save_skipped_chunks += len(job.hashes)
                 self._save_wait = SAVE_PROBE_S
@@ -460,7 +459,7 @@ class WorkerSide:
         if error is not None:
             log.warning("kvtier: save copy failed: %s", error)
 
-    def _abort_late(self, future: concurrent.futures.Future[ReserveReply]) -> None:
+    def _abort_late(self, future: Call[ReserveReply]) -> None:
         # A reserve answered after we gave up: hand its slots back so none leak.
         try:
             reply = future.result()
@@ -473,7 +472,7 @@ class WorkerSide:
         if slots and self.client is not None:
             self.client.abort(slots, reply.instance_id)
 
-    def _count_late_error(self, future: concurrent.futures.Future[Any]) -> None:
+    def _count_late_error(self, future: Call[Any]) -> None:
         if future.exception() is not None:
             with self._lock:
                 self._late_errors += 1

@@ -653,7 +653,7 @@ def _call(reader: _NoReads | None = None) -> Call:
     return Call(reader, 1, b"", CONVERT[p.Health])
 
 
-def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
+def test_a_call_is_a_future_before_and_after_it_completes() -> None:
     done = _call()
     done.set_result(7)
     seen: list[object] = []
@@ -670,10 +670,9 @@ def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
     error = RuntimeError("no")
     setter = threading.Thread(target=waited.set_exception, args=(error,))
     setter.start()
-    finished, pending = futures.wait([waited], timeout=10)
     waiter.join(10)
     setter.join(10)
-    assert finished == {waited} and not pending and seen == [7, error] and raised == [error]
+    assert not waiter.is_alive() and seen == [7, error] and raised == [error]
     assert waited.finished() and waited.exception(0) is error
 
     cancelled = _call()
@@ -682,6 +681,17 @@ def test_a_call_is_a_full_future_before_and_after_it_completes() -> None:
         cancelled.set_result(1)
     with pytest.raises(futures.CancelledError):
         cancelled.result(0)
+
+
+def test_a_wait_on_a_call_times_out_and_a_later_answer_still_lands() -> None:
+    call = _call(_NoReads())
+    with pytest.raises(TimeoutError):
+        call.result(0.01)
+    with pytest.raises(TimeoutError):
+        call.exception(0)  # a poll of a pending call
+    call.set_result(3)
+    assert call.result(0) == 3 and call.finished() and not call.cancelled()
+    assert not call.cancel()  # answered: too late to cancel
 
 
 def test_a_forked_child_cannot_use_the_parents_client(tmp_path: Path) -> None:
