@@ -502,17 +502,18 @@ def test_a_reserve_answered_after_its_timeout_gives_its_slots_back(tmp_path: Pat
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         ns = client.hello(SPEC).result(5).namespace
         assert svc.loop is not None
-        stalled = threading.Event()
+        stalled, resume = threading.Event(), threading.Event()
 
-        def stall() -> None:  # the service stalls, as under a SIGSTOP
+        def stall() -> None:  # the service stalls, as under a SIGSTOP, until the call timed out
             stalled.set()
-            time.sleep(0.5)
+            resume.wait(10)
 
         svc.loop.call_soon_threadsafe(stall)
         assert stalled.wait(5)  # stalled before the call is sent: the service answers calls at once
         late = client.reserve(ns, hashes(3), timeout=0.05)
         with pytest.raises(CallTimeout):
             late.result(5)
+        resume.set()
         # The reply comes once the service runs again; the client aborts what it reserved.
         assert wait_until(lambda: client.stats().result(5)["slots_in_use"] == 0, 5)
         assert client.stats().result(5)["calls"]["abort"] == 1
@@ -580,9 +581,14 @@ def test_replies_nobody_waits_for_still_complete_their_futures(tmp_path: Path) -
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         for _ in range(20):
             assert client.health().result(5).serving
+        assert svc.loop is not None
+        stalled, resume = threading.Event(), threading.Event()
+        svc.loop.call_soon_threadsafe(lambda: (stalled.set(), resume.wait(10)))
+        assert stalled.wait(5)  # no reply before the callback is in place
         polled = client.health()
         threads: list[str] = []
         polled.add_done_callback(lambda f: threads.append(threading.current_thread().name))
+        resume.set()
         assert wait_until(polled.done, 10)
         assert polled.result(0).serving
         # Completed by the client's thread: a poll never reads (each read lets go of the GIL, and

@@ -14,7 +14,7 @@ import pytest
 from kvtier.app.client import LookupReply, ServiceUnavailable
 from kvtier.app.settings import KVTierSettings
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.planning import Geometry, save_range
+from kvtier.connector.planning import Geometry
 from kvtier.connector.scheduler import SchedulerSide
 from kvtier.storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
 
@@ -288,16 +288,18 @@ def test_a_decoding_request_is_not_visited_until_a_save_can_fall_due() -> None:
 
 @pytest.mark.parametrize("step_tokens", [1, 3])
 @pytest.mark.parametrize("seed", range(4))
-def test_saves_match_save_range_applied_at_every_step(step_tokens: int, seed: int) -> None:
-    """Looking at a request only when a save can fall due plans what looking every step would:
-    chunked prefill, decode with speculative drafts (some rejected), hashes a step late."""
+def test_each_chunk_is_saved_once_when_written_and_hashed(step_tokens: int, seed: int) -> None:
+    """Looking at a request only when a save can fall due saves each chunk once, at the step its KV
+    and its hashes are complete: chunked prefill, decode with drafts (some rejected), hashes a step
+    late."""
     rng = random.Random(seed)
     side = SchedulerSide(dataclasses.replace(_cfg(), step_tokens=step_tokens), FakeClient())
     prompt = rng.randrange(40, 300)
     req = FakeRequest("a", prompt, prompt // BLOCK)
     side.get_num_new_matched_tokens(req, 0)
     table = list(range(100, 140))
-    watermark = computed = blocks = 0
+    computed = blocks = 0
+    planned: set[int] = set()
     for step in range(400):
         known = req.num_tokens - computed
         drafts = rng.randrange(step_tokens) if known == 1 else 0
@@ -311,11 +313,14 @@ def test_saves_match_save_range_applied_at_every_step(step_tokens: int, seed: in
             out = _output(cached=[("a", ids or None, computed, False)], scheduled={"a": scheduled},
                           spec={"a": list(range(drafts))})  # fmt: skip
         valid = scheduled - drafts
-        expected = save_range(computed, valid, len(req.block_hashes), watermark, side.geo)
-        watermark = expected.hi
+        # The rule: a chunk is saved once, at the first step after which its KV is written (no
+        # draft counted) and the hashes of all its blocks are known.
+        ready = min((computed + valid) // CHUNK, len(req.block_hashes) // (CHUNK // BLOCK))
+        expected = [c for c in range(ready) if c not in planned]
+        planned.update(expected)
         meta = side.build_connector_meta(out)
         saved = [h for s in meta.saves for h in s.hashes]
-        assert saved == [_chunk_hash(req, c) for c in expected.chunks], f"step {step}"
+        assert saved == [_chunk_hash(req, c) for c in expected], f"step {step}"
         # vLLM's side of the step: drafts accepted or rejected, a token sampled once every known
         # token is computed, and the hash of each full block (now, or a step late).
         computed += valid + rng.randrange(drafts + 1)
@@ -323,7 +328,7 @@ def test_saves_match_save_range_applied_at_every_step(step_tokens: int, seed: in
             req.num_tokens = computed + 1
         while len(req.block_hashes) < req.num_tokens // BLOCK - rng.randrange(2):
             req.block_hashes.append(bytes([0, len(req.block_hashes)]))
-    assert watermark >= prompt // CHUNK + 4  # decode chunks were saved all along
+    assert len(planned) >= prompt // CHUNK + 4  # decode chunks were saved all along
 
 
 def test_a_failed_load_moving_computed_back_saves_the_recomputed_chunk() -> None:

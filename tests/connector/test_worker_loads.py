@@ -12,6 +12,7 @@ import torch
 
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.storage.base import SlotRef
+from tests.app import wait_until
 from tests.connector.conftest import LAYERS
 
 LAYER_NAMES = [f"layer{i}" for i in range(LAYERS)]
@@ -50,26 +51,31 @@ def test_each_layer_is_in_place_once_its_wait_returns_and_the_lease_ends_after_t
     at_gate = threading.Event()
     real = worker.copier._load_cpu
 
+    order: list[str] = []  # what happened, in order: list.append is atomic
+
     def copy_thread_waits_at_the_gate(lo: int, hi: int, *args: Any) -> None:
-        if threading.current_thread().name == "kvtier-copy":
+        on_copy_thread = threading.current_thread().name == "kvtier-copy"
+        if on_copy_thread:
             at_gate.set()
             assert gate.wait(10), "the test never opened the gate"
         real(lo, hi, *args)
+        if on_copy_thread and lo == 0:
+            order.append("layer 0 copied")
 
     monkeypatch.setattr(worker.copier, "_load_cpu", copy_thread_waits_at_the_gate)
     _start(worker, KVTierMetadata(loads=[_job("r1", slot, [3, 4])]))
     assert at_gate.wait(10)  # the copy thread took layer 0, the first one, and holds it
-    waited = threading.Event()
-    waiter = threading.Thread(target=lambda: (worker.wait_for_layer_load("layer0"), waited.set()))
+    waiter = threading.Thread(target=lambda: (worker.wait_for_layer_load("layer0"), order.append("waited")))
     waiter.start()
     # Meanwhile the waiter copies the other layers itself, from the last one down; layer 0's wait
     # returns only once the copy thread has put layer 0 in place.
-    assert not waited.wait(0.2), "layer 0's wait returned before its copy"
-    assert not torch.equal(_layer_block(kv, 0, 3), stored[0, 0])
+    last = LAYERS - 1
+    assert wait_until(lambda: torch.equal(_layer_block(kv, last, 3), stored[last, 0]), 10)
+    assert not torch.equal(_layer_block(kv, 0, 3), stored[0, 0])  # held at the gate
     assert client.released == []  # the slot is still being read
     gate.set()
     waiter.join(10)
-    assert waited.is_set()
+    assert order == ["layer 0 copied", "waited"], "layer 0's wait returned before its copy"
     for layer in range(LAYERS):  # every layer in place once layer 0's wait returned
         assert torch.equal(_layer_block(kv, layer, 3), stored[layer, 0])
         assert torch.equal(_layer_block(kv, layer, 4), stored[layer, 1])

@@ -415,6 +415,19 @@ async def test_tls_via_redis_asyncio(tmp_path: Path) -> None:
         await tier.close()
 
 
+def _bytes_waiting_at(port: int) -> int:
+    """Bytes received and not yet read by the server's end of loopback TCP connections on port."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                if local_port == port and fields[3] == "01":  # ESTABLISHED
+                    waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
 @needs_redis
 async def test_cancelled_get_leaves_tier_usable(redis_server_fn: RedisServer) -> None:
     tier = RedisTier(make_settings(redis_server_fn.url, redis_timeout=5.0))
@@ -425,7 +438,11 @@ async def test_cancelled_get_leaves_tier_usable(redis_server_fn: RedisServer) ->
     redis_server_fn.proc.send_signal(signal.SIGSTOP)  # the GET is surely in flight when cancelled
     try:
         task = asyncio.create_task(tier.get_into(key(9), memoryview(dest)))
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # until the GET's bytes wait in the stopped server's socket
+            if _bytes_waiting_at(redis_server_fn.port):
+                break
+            await asyncio.sleep(0.01)
+        assert _bytes_waiting_at(redis_server_fn.port), "the GET never reached the server"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
