@@ -16,7 +16,7 @@ class CoreRun:
 
     outputs: Outputs
     preemptions: int
-    async_scheduling: bool
+    async_scheduling: bool  # vLLM ran its AsyncScheduler
     connector_totals: dict[str, Any]
 
 
@@ -32,6 +32,7 @@ def run_engine_core(
     """Run the prompts together to completion on an EngineCore; shut it down on every path."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.engine import EngineCoreEventType, EngineCoreRequest
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
@@ -76,7 +77,7 @@ def run_engine_core(
         return CoreRun(
             Outputs([tokens[f"req-{i}"] for i in range(len(prompts))]),
             preempted,
-            bool(core.async_scheduling),
+            isinstance(core.scheduler, AsyncScheduler),
             totals,
         )
     finally:

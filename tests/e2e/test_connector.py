@@ -103,8 +103,9 @@ def test_preempted_request_reloads_its_chunks(tiny_model: str, tmp_path: Path) -
     assert_same_outputs(expected, got)
     assert sched["readmissions"] >= 1, "the resumed request is counted as a re-admission"
     assert sched["external_tokens"] >= 32, "the resumed request reloads what it saved"
-    assert work["loaded_tokens"] >= 32
-    assert all(v >= 0 for v in sched.values()) and all(v >= 0 for v in work.values())
+    # Every external token the scheduler promised was loaded, none failed, every lookup answered.
+    assert work["loaded_tokens"] == sched["external_tokens"]
+    assert work["failed_load_blocks"] == 0 and sched["lookup_errors"] == 0
 
 
 @pytest.mark.parametrize("save_decode", [True, False])
