@@ -5,8 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvtier-installed
-# The CPU build of torch ships as a local wheel on this kind of machine; pip also reads its own config.
-FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# The CPU build of torch (the cpu extra) is not on PyPI: it comes from a local wheel folder where the
+# machine has one, else from the PyTorch CPU index, as in vLLM's CPU install guide.
+WHEELS ?= /opt/wheels
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url $(TORCH_CPU_INDEX))
 PYTEST_ARGS ?=
 
 .PHONY: install test lint typecheck demo bench redis-server clean
@@ -16,7 +19,7 @@ install: $(STAMP) redis-server
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(FIND_LINKS) -e ".[test,cpu]"
+	$(PIP) install -q $(TORCH_SOURCE) -e ".[test,cpu,plot]"
 	@# PyPI's torchvision/torchaudio/torchcodec/triton are CUDA builds that break the CPU build's imports.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	@touch $(STAMP)

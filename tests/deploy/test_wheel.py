@@ -27,7 +27,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in SHIPPED:
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.json"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, src / name)
     out = tmp_path_factory.mktemp("dist")
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
@@ -55,6 +55,7 @@ def test_wheel_holds_the_product_under_kvtier_only(wheel: Path) -> None:
         assert f"kvtier/{folder}/__init__.py" in names, folder
     assert "kvtier/connector/plugin.py" in names and "kvtier/app/cli.py" in names
     assert "kvtier/bench/harness.py" in names, "the benchmarks bring their own engine harness"
+    assert "kvtier-0.1.0.dist-info/licenses/LICENSE" in names
     assert not any("/tests/" in name or name.startswith("tests/") for name in names)
 
 
