@@ -50,10 +50,10 @@ def make_prompt(seed: int, length: int, vocab_size: int = 1024) -> list[int]:
 
 
 def kv_transfer_config(**extra: Any) -> dict[str, Any]:
-    """The kv-transfer-config that turns kvtier on, with connector extra config."""
+    """The README's kv-transfer-config (the connector found by name, through kvtier's vLLM plugin),
+    with connector extra config."""
     return {
         "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,

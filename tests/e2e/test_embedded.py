@@ -54,7 +54,11 @@ def _run_and_check(tiny_model: str, expected: Outputs, shm: Path, run_dir: Path)
         "model": tiny_model,
         "prompts": PROMPTS,
         "max_tokens": 10,
-        "kv_config": kv_transfer_config(chunk_size=64, cpu_size="64MiB", shm_dir=str(shm)),
+        # The connector found by module path (the other route vLLM offers; the harness uses the name).
+        "kv_config": {
+            **kv_transfer_config(chunk_size=64, cpu_size="64MiB", shm_dir=str(shm)),
+            "kv_connector_module_path": "kvtier.connector",
+        },
         "engine": {"enable_prefix_caching": False},
         "multiprocess": True,
         "one_at_a_time": True,

@@ -52,7 +52,6 @@ def test_engine_in_a_folder_with_its_own_app_and_storage_gets_hits(tiny_model: s
     run_dir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
     # The README's flag as written: the connector found by name, through kvtier's vLLM plugin.
     kv_config = kv_transfer_config(chunk_size=CHUNK, cpu_size="64MiB", shm_dir=str(shm))
-    del kv_config["kv_connector_module_path"]
     try:
         job = {
             "model": tiny_model,

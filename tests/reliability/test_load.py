@@ -40,11 +40,28 @@ WARMUP = 40
 LOAD = 300
 CONCURRENCY = 20
 MAX_TOKENS = 8
+CHUNK = 64
 SERVER_ARGS = [
     "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
     "--num-gpu-blocks-override", "48", "--no-enable-prefix-caching",
     "--distributed-executor-backend", "uni",
 ]  # fmt: skip
+
+
+def _reused_tokens(requests: list[tuple[str, list[int]]], warm: int, chunk: int) -> int:
+    """Tokens of the requests after the first warm ones that lie in whole chunks of a prefix one
+    of those warm requests shares (at most all but a prompt's last token, as vLLM asks)."""
+    seen = [prompt for _, prompt in requests[:warm]]
+    total = 0
+    for _, prompt in requests[warm:]:
+        shared = max(_common_prefix(prompt, other) for other in seen)
+        total += min(shared, len(prompt) - 1) // chunk * chunk
+    return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return n
 
 
 def _quiet(admin: int) -> dict[str, Any]:
@@ -61,7 +78,7 @@ def test_openai_server_under_load_matches_baseline_and_leaks_nothing(tiny_model:
     shm = tmp_path / "shm"
     shm.mkdir()
     admin = free_port()
-    kv = kv_transfer_config(chunk_size=64, cpu_size="16MiB", shm_dir=str(shm), admin_port=admin)
+    kv = kv_transfer_config(chunk_size=CHUNK, cpu_size="16MiB", shm_dir=str(shm), admin_port=admin)
     requests = make_requests(WARMUP + LOAD, seed=11)
     runtime = Path(os.environ["XDG_RUNTIME_DIR"]) / "kvtier"
     specs = [("baseline", SERVER_ARGS, None), ("kvtier", SERVER_ARGS, kv)]
@@ -89,7 +106,11 @@ def test_openai_server_under_load_matches_baseline_and_leaks_nothing(tiny_model:
     got = {**warm.tokens, **load.tokens}
     differ = [rid for rid, _ in requests if got[rid] != expected.tokens[rid]]
     assert not differ, f"{len(differ)} of {len(requests)} responses differ from the baseline: {differ[:5]}"
-    assert stats["hit_tokens"]["cpu"] > 0, "kvtier served hits under load"
+    # Nothing was evicted, so every chunk of a prefix the warm-up completed is a hit in the load.
+    assert stats["tiers"]["cpu"]["evictions"] == 0
+    reused = _reused_tokens(requests, WARMUP, CHUNK)
+    assert reused > 100 * CHUNK  # the workload does share prefixes
+    assert stats["hit_tokens"]["cpu"] >= reused, f"{stats['hit_tokens']['cpu']} hit tokens, {reused} reused"
     assert len(files_running) == 2, files_running  # one socket, one arena while it runs
     # Leaks: no lease held, no slot beyond the stored chunks, memory flat after warm-up.
     assert stats["leases_active"] == 0
