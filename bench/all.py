@@ -1,4 +1,5 @@
-"""`make bench`: every benchmark, one JSON (bench/results.json) and a short table of the ratios."""
+"""`make bench`: every benchmark, one JSON (bench/results.json), a short table of the ratios and a
+chart of each figure against its target (next to the JSON, results.png, unless --chart says where)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvtier.bench.chart import Headline, targets_chart
+from kvtier.bench.progress import step
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
@@ -50,37 +54,57 @@ def _get(data: dict[str, Any], dotted: str) -> Any:
 
 
 def _quiet(fn: Any, *args: Any) -> Any:
+    """fn's result; what it prints on stdout is dropped (the figures land in the JSON)."""
     with contextlib.redirect_stdout(io.StringIO()):
         return fn(*args)
 
 
 def run_all(skip_ttft: bool = False) -> dict[str, Any]:
-    """Run the storage, service, connector and GPU copy benchmarks; return {section: figures}."""
+    """Run the storage, service, connector and GPU copy benchmarks; return {section: figures}.
+
+    Each section says on stderr when it starts and how long it took (the connector's, with its
+    engines, takes the longest)."""
     from kvtier.bench import connector, gpu_copy, service, storage
 
     results: dict[str, Any] = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    print("storage ...", flush=True)
-    results["storage"] = _quiet(storage.run, [])
-    print("service ...", flush=True)
-    results["service"] = service.measure(8, 625, 2, "256MiB")
-    print("connector ...", flush=True)
-    results["connector"] = _quiet(connector.run, ["--skip-ttft"] if skip_ttft else [])
-    print("gpu ...", flush=True)
-    results["gpu"] = gpu_copy.measure()
+    sections = "storage, service, connector" + ("" if skip_ttft else " (with TTFT)") + ", gpu"
+    with step(f"make bench: 4 sections ({sections})"):
+        with step("[1/4] storage: disk, Redis and arena against plain I/O"):
+            results["storage"] = _quiet(storage.run, [])
+        with step("[2/4] service: lookup and commit latency against an echo server"):
+            results["service"] = service.measure(8, 625, 2, "256MiB")
+        what = "copy and scheduler" + ("" if skip_ttft else " and TTFT, many vLLM engines")
+        with step(f"[3/4] connector: {what}"):
+            results["connector"] = _quiet(connector.run, ["--skip-ttft"] if skip_ttft else [])
+        with step("[4/4] gpu: block copies (where a CUDA device is)"):
+            results["gpu"] = gpu_copy.measure()
     return results
+
+
+def headlines(results: dict[str, Any]) -> list[Headline]:
+    """The headline figures present in results, in HEADLINES' order, with their targets."""
+    found = []
+    for section, key, target, higher in HEADLINES:
+        value = _get(results.get(section, {}), key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found.append(Headline(f"{section}.{key}", value, target, higher))
+    return found
 
 
 def table(results: dict[str, Any]) -> str:
     """The headline ratios with their targets."""
     lines = [f"{'figure':<44}{'value':>10}{'target':>10}  met"]
-    for section, key, target, higher in HEADLINES:
-        value = _get(results.get(section, {}), key)
-        if value is None:
-            continue
-        met = "" if target is None else ("yes" if (value >= target if higher else value <= target) else "NO")
-        shown = "" if target is None else (">= " if higher else "<= ") + f"{target:g}"
-        lines.append(f"{section + '.' + key:<44}{value:>10}{shown:>10}  {met}")
+    for h in headlines(results):
+        met = {None: "", True: "yes", False: "NO"}[h.met]
+        lines.append(f"{h.name:<44}{h.value:>10}{h.target_text:>10}  {met}")
     return "\n".join(lines)
+
+
+def write_chart(results: dict[str, Any], path: Path) -> Path | None:
+    """Chart each headline figure against its target into path; None where matplotlib is missing."""
+    when = results.get("measured_at", "")
+    title = "make bench: each figure against its target" + (f" (measured {when})" if when else "")
+    return targets_chart(headlines(results), path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,11 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.all", description=__doc__)
     parser.add_argument("--skip-ttft", action="store_true", help="skip the TTFT part (slow)")
     parser.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
+    parser.add_argument(
+        "--chart",
+        default=None,
+        help="where to draw the chart (PNG; default: the JSON's path with .png, bench/results.png)",
+    )
+    parser.add_argument("--no-chart", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
     results = run_all(args.skip_ttft)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    out = Path(args.out)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
+    if not args.no_chart:
+        write_chart(results, Path(args.chart) if args.chart else out.with_suffix(".png"))
     return 0
 
 

@@ -40,6 +40,7 @@ from kvtier.bench.engine_proc import (
 from kvtier.bench.harness import generate, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.models import BENCH, TINY, build_model
 from kvtier.bench.phases import SCHEDULER_HOOKS, PhaseClock
+from kvtier.bench.progress import note
 
 ARENA_BYTES = 1 << 30  # the CPU tier of every service the benchmark starts
 TTFT_CHUNK = 256  # chunk_size of the TTFT benchmarks' engines, in tokens
@@ -312,6 +313,7 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = SCHEDULER_REQUEST
 
     prompts = [list(np.random.default_rng(i).integers(2, 1000, 96)) for i in range(num_requests)]
     prompts = [[int(t) for t in p] for p in prompts]
+    note(f"  scheduler share: an engine with {num_requests} requests starting")
     with _service(tmp / "sched") as url:
         run_engine_core(
             model, prompts, 64, kv_transfer_config(service_url=url, chunk_size=32), async_scheduling=False,
@@ -380,6 +382,7 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     seeds = iter(range(20_000, 1_000_000))
     taken: dict[str, list[list[Sample]]] = {case: [] for case in MISS_CASES}
     for pair in range(MISS_PAIRS):
+        note(f"  TTFT miss: engine pair {pair + 1}/{MISS_PAIRS} (with and without kvtier) starting")
         # The tiers a user gets by default: CPU + disk, as embedded mode runs them.
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(
@@ -505,6 +508,7 @@ def bench_ttft(
             client = ServiceClient(url)
             client.wait_connected(10)
             kv = kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK)
+            note("  TTFT hits: an engine with kvtier starting (CPU, disk, Redis hits)")
             with running_engine(model, kv, **engine) as llm:
                 with kvtier_bypassed(llm):  # warmed as bench_miss warms: nothing stored
                     generate_each(llm, warm_up, 1)
@@ -530,6 +534,7 @@ def bench_ttft(
                 out["hit_tokens"] = client.stats().result(10)["hit_tokens"]
             client.close()
     # vLLM's own prefix cache, no kvtier: the first pass stores the prompts, the second hits.
+    note("  TTFT: an engine with vLLM's prefix cache, no kvtier, starting")
     with running_engine(model, None, **{**engine, "enable_prefix_caching": True}) as llm:
         generate_each(llm, warm_up, 1)
         ttft(llm, prompts)
@@ -631,6 +636,7 @@ def bench_hit_over_prefix_hit(
     kvtier_hits: list[float] = []
     with _service(tmp / "svc-prefix") as url, ServiceClient(url) as client:
         client.wait_connected(10)
+        note("  TTFT: an engine with kvtier and vLLM's prefix cache starting")
         with running_engine(
             model,
             kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK),

@@ -10,6 +10,10 @@ production the GPU cache keeps only the hottest prefixes; kvtier keeps the rest)
 Both engines are warmed up with a prompt longer than the first round's, and the kvtier run lets the
 service finish writing each turn to disk before the next one (a user reading the answer), so round 1
 shows a miss of a warm engine, not the one-off costs of an engine's first long prompt.
+
+Progress (each engine start, each phase with its time) goes to stderr; the table to stdout, and a
+chart of it to kvtier-demo.png in the working directory (--chart PATH to choose, --no-chart for
+none; the chart needs matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations
@@ -32,9 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.arena_dir import arena_dir
+from kvtier.bench.chart import demo_chart
 from kvtier.bench.models import BENCH, WORDS, build_model
+from kvtier.bench.progress import note, step
 
 STARTUP_TIMEOUT_S = 300.0
+STARTUP_NOTE_EVERY_S = 20.0  # a line while an engine starts, so a slow start is not mistaken for a hang
+CHART = Path("kvtier-demo.png")  # in the working directory
+SETUP = "random-weight Llama (8 layers), vLLM's CPU build, its prefix cache off; kvtier: CPU + disk tiers"
 ARENA_BYTES = 512 << 20  # the embedded service's CPU tier
 # vLLM's CPU build reserves one more core whenever any KV connector is configured (for NIXL's threads).
 # kvtier needs none; pinning the reservation keeps both runs on the same OpenMP thread layout, which
@@ -145,19 +154,33 @@ def vllm_server(model: str, workdir: Path, kv_config: dict[str, Any] | None, nam
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = Server(port, proc, log_path)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited early; see {log_path}:\n{log_path.read_text()[-2000:]}")
-            with contextlib.suppress(OSError, RuntimeError, json.JSONDecodeError):
-                server.request("/health", timeout=2)
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not become ready; see {log_path}")
-            time.sleep(0.5)
+        with step(f"starting vLLM ({name}; its log: {log_path.name})"):
+            _wait_ready(server)
         yield server
     finally:
         _stop(proc)
+
+
+def _wait_ready(server: Server) -> None:
+    """Poll /health until the server answers; a progress line every STARTUP_NOTE_EVERY_S."""
+    start = time.monotonic()
+    next_note = start + STARTUP_NOTE_EVERY_S
+    while True:
+        if server.proc.poll() is not None:
+            log = server.log_path
+            raise RuntimeError(f"vLLM exited early; see {log}:\n{log.read_text()[-2000:]}")
+        with contextlib.suppress(OSError, RuntimeError, json.JSONDecodeError):
+            server.request("/health", timeout=2)
+            return
+        now = time.monotonic()
+        if now > start + STARTUP_TIMEOUT_S:
+            raise RuntimeError(
+                f"vLLM did not become ready within {STARTUP_TIMEOUT_S:.0f} s; see {server.log_path}"
+            )
+        if now >= next_note:
+            note(f"  vLLM still starting ({now - start:.0f} s so far)")
+            next_note += STARTUP_NOTE_EVERY_S
+        time.sleep(0.5)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -215,58 +238,85 @@ def play(
     return ttfts, texts
 
 
-def run(rounds: int = 5, max_tokens: int = 24) -> int:
-    """Run the demo; returns the exit status (0 when every output was identical)."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp, arena_dir(Path(tmp), ARENA_BYTES) as shm:
+def run(rounds: int = 5, max_tokens: int = 24, chart: Path | None = CHART) -> int:
+    """Run the demo, print its table and draw its chart (unless chart is None); returns the exit
+    status (0 when every output was identical)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp,
+        arena_dir(Path(tmp), ARENA_BYTES) as shm,
+        step(f"make demo: {rounds} chat rounds without kvtier, with it, and after a restart"),
+    ):
         work = Path(tmp)
-        print("building a random-weight Llama (8 layers, 16 KiB of KV per token) ...", flush=True)
-        model = str(build_model(work / "model", BENCH))
+        with step("building a random-weight Llama (8 layers, 16 KiB of KV per token)"):
+            model = str(build_model(work / "model", BENCH))
         system, questions = conversation(rounds)
         admin = free_port()
-        kv = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.connector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "cpu_size": str(ARENA_BYTES),
-                "disk_path": str(work / "disk"),
-                "chunk_size": 128,
-                "admin_port": admin,
-                "shm_dir": str(shm),
-            },
-        }
-        print("vLLM without kvtier ...", flush=True)
-        with vllm_server(model, work, None, "baseline") as srv:
+        kv = _kv_config(work / "disk", admin, shm)
+        with step("[1/3] vLLM without kvtier"), vllm_server(model, work, None, "baseline") as srv:
             warm_up(srv)
             ttft_off, expected = play(srv, system, questions, None, max_tokens)
-        print("vLLM with kvtier (embedded service: CPU tier + disk tier) ...", flush=True)
         table = [Round(ttft_off=t) for t in ttft_off]
-        with vllm_server(model, work, kv, "kvtier") as srv:
-            warm_up(srv)
-            _wait_written(admin)
-            before = _admin_stats(admin)["hit_tokens"]
-            history: list[dict[str, str]] = [{"role": "system", "content": system}]
-            for i, question in enumerate(questions):
-                history.append({"role": "user", "content": question})
-                table[i].ttft_on, text = srv.chat("demo", history, max_tokens)
-                table[i].same = text == expected[i]
-                after = _admin_stats(admin)["hit_tokens"]
-                table[i].hits = {t: after[t] - before.get(t, 0) for t in after}
-                before = after
-                history.append({"role": "assistant", "content": text})
-                _wait_written(admin)
-        print(
-            "vLLM with kvtier again, after a restart: the CPU tier is gone, the disk tier remains ...",
-            flush=True,
-        )
-        with vllm_server(model, work, kv, "restart") as srv:
+        with (
+            step("[2/3] vLLM with kvtier (embedded service: CPU tier + disk tier)"),
+            vllm_server(model, work, kv, "kvtier") as srv,
+        ):
+            _play_with_kvtier(srv, admin, system, questions, expected, table, max_tokens)
+        with (
+            step("[3/3] vLLM with kvtier after a restart: the CPU tier is gone, the disk tier remains"),
+            vllm_server(model, work, kv, "restart") as srv,
+        ):
             before = _admin_stats(admin)["hit_tokens"]
             ttft_restart, text = srv.chat("demo", _messages(system, questions, expected), max_tokens)
             after = _admin_stats(admin)["hit_tokens"]
         restart = Round(ttft_off=ttft_off[-1], ttft_on=ttft_restart, same=text == expected[-1])
         restart.hits = {t: after[t] - before.get(t, 0) for t in after}
-    return _report(table, restart)
+    results = summary(table, restart)
+    status = report(results)
+    if chart is not None:
+        demo_chart(results, chart)
+    return status
+
+
+def _kv_config(disk: Path, admin_port: int, shm: Path) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for kvtier on its embedded default, with a disk tier at disk."""
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "cpu_size": str(ARENA_BYTES),
+            "disk_path": str(disk),
+            "chunk_size": 128,
+            "admin_port": admin_port,
+            "shm_dir": str(shm),
+        },
+    }
+
+
+def _play_with_kvtier(
+    srv: Server,
+    admin: int,
+    system: str,
+    questions: list[str],
+    expected: list[str],
+    table: list[Round],
+    max_tokens: int,
+) -> None:
+    """Play the conversation on the engine with kvtier, filling each round's TTFT, hits and match."""
+    warm_up(srv)
+    _wait_written(admin)
+    before = _admin_stats(admin)["hit_tokens"]
+    history: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for i, question in enumerate(questions):
+        history.append({"role": "user", "content": question})
+        table[i].ttft_on, text = srv.chat("demo", history, max_tokens)
+        table[i].same = text == expected[i]
+        after = _admin_stats(admin)["hit_tokens"]
+        table[i].hits = {t: after[t] - before.get(t, 0) for t in after}
+        before = after
+        history.append({"role": "assistant", "content": text})
+        _wait_written(admin)
 
 
 def _messages(system: str, questions: list[str], answers: list[str]) -> list[dict[str, str]]:
@@ -278,18 +328,37 @@ def _messages(system: str, questions: list[str], answers: list[str]) -> list[dic
     return msgs
 
 
-def _report(table: list[Round], restart: Round) -> int:
+def summary(table: list[Round], restart: Round) -> dict[str, Any]:
+    """The demo's figures as a dict (what report() prints and bench.chart.demo_chart draws)."""
+    rows = [(f"round {i + 1}", r) for i, r in enumerate(table)]
+    rows.append((f"round {len(table)} after restart", restart))
+    return {
+        "setup": SETUP,
+        "rounds": [
+            {
+                "name": name,
+                "ttft_off_ms": round(r.ttft_off * 1000, 1),
+                "ttft_on_ms": round(r.ttft_on * 1000, 1),
+                "hit_tokens": dict(r.hits),
+                "identical": r.same,
+            }
+            for name, r in rows
+        ],
+    }
+
+
+def report(results: dict[str, Any]) -> int:
+    """Print the table of summary()'s dict; returns 0 when every output was identical, else 1."""
     print()
-    print(f"{'round':<16}{'TTFT off (ms)':>14}{'TTFT on (ms)':>14}{'speed-up':>10}"
+    print(f"{'round':<24}{'TTFT off (ms)':>14}{'TTFT on (ms)':>14}{'speed-up':>10}"
           f"{'cpu hits':>10}{'disk hits':>11}  identical")  # fmt: skip
-    rows = [(f"{i + 1}", r) for i, r in enumerate(table)] + [("last, restarted", restart)]
-    for name, r in rows:
+    for row in results["rounds"]:
+        off, on, hits = row["ttft_off_ms"], row["ttft_on_ms"], row["hit_tokens"]
         print(
-            f"{name:<16}{r.ttft_off * 1000:>14.1f}{r.ttft_on * 1000:>14.1f}"
-            f"{r.ttft_off / max(r.ttft_on, 1e-9):>9.2f}x{r.hits.get('cpu', 0):>10}"
-            f"{r.hits.get('disk', 0):>11}  {'yes' if r.same else 'NO'}"
+            f"{row['name']:<24}{off:>14.1f}{on:>14.1f}{off / max(on, 1e-9):>9.2f}x"
+            f"{hits.get('cpu', 0):>10}{hits.get('disk', 0):>11}  {'yes' if row['identical'] else 'NO'}"
         )
-    ok = all(r.same for _, r in rows)
+    ok = all(row["identical"] for row in results["rounds"])
     print()
     print("every output identical to vLLM without kvtier" if ok else "OUTPUTS DIFFER: this is a bug")
     return 0 if ok else 1
@@ -300,8 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.demo", description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--chart", type=Path, default=CHART, help=f"where to draw the chart (PNG; default: ./{CHART})"
+    )
+    parser.add_argument("--no-chart", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
-    return run(args.rounds, args.max_tokens)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    return run(args.rounds, args.max_tokens, None if args.no_chart else args.chart)
 
 
 if __name__ == "__main__":
