@@ -1,8 +1,14 @@
-"""Admin HTTP: ``GET /health``, ``GET /metrics`` (Prometheus text) and ``GET /stats`` (JSON).
+"""Admin HTTP: probes, ``GET /health``, ``GET /metrics`` (Prometheus text) and ``GET /stats`` (JSON).
 
 A deliberately small HTTP/1.1 server on asyncio streams: one GET per connection, bounded request
 size and read time, ``Connection: close``. It reads the service's state on the service's own loop,
 so it needs no locks, and exposes no settings (no secrets can leak through it).
+
+The two probes mean different things. ``/livez`` answers 200 whenever the process and its event loop
+answer at all (a blocked loop answers nothing, and the probe times out); it stays 200 while the
+service drains, so a graceful stop is never cut short. ``/readyz`` answers 200 only while the
+service can serve: its listener accepts connections, no shutdown has begun and the store is
+open (the server runs only while the store is: ``run_service`` closes it before the store).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,13 +38,29 @@ REASONS = {
 }
 
 
-class AdminServer:
-    """Serves /health, /metrics and /stats of one service on host:port (port 0 = any free port)."""
+PATHS = ("/livez", "/readyz", "/health", "/metrics", "/stats")
 
-    def __init__(self, service: Service, host: str, port: int) -> None:
+
+class AdminServer:
+    """Serves /livez, /readyz, /health, /metrics and /stats of one service on host:port (0 = any).
+
+    ``accepting`` says whether the service's listener accepts connections now; leave it out only when
+    the admin server starts after the listener does (as ``run_service`` starts it).
+    """
+
+    def __init__(
+        self,
+        service: Service,
+        host: str,
+        port: int,
+        *,
+        accepting: Callable[[], bool] | None = None,
+    ) -> None:
         self._service = service
         self._host = host
         self._port = port
+        self._accepting = accepting
+        self._accepted = False  # the listener accepted once: later refusals mean stopping, not starting
         self._server: asyncio.Server | None = None
         self._registry = build_registry(service.store.stats, service.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -54,6 +77,20 @@ class AdminServer:
         self._server = await asyncio.start_server(
             self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES
         )
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready to serve, why): the reason is "ready", "starting", "stopping", "draining" or
+        "store unavailable"."""
+        if self._service.draining:
+            return False, "draining"
+        if self._accepting is not None:
+            if not self._accepting():
+                return False, "stopping" if self._accepted else "starting"
+            self._accepted = True
+        serving, _tiers = self._service.health()
+        if not serving:
+            return False, "store unavailable"
+        return True, "ready"
 
     async def close(self) -> None:
         """Stop serving and end open requests."""
@@ -101,6 +138,12 @@ class AdminServer:
         method, target = parts[0], parts[1].split("?", 1)[0]
         if method != "GET":
             return _json(405, {"error": "only GET"})
+        if target == "/livez":
+            return _json(200, {"status": "alive", "instance_id": self._service.instance_id})
+        if target == "/readyz":
+            ready, reason = self.readiness()
+            body = {"ready": ready, "reason": reason, "instance_id": self._service.instance_id}
+            return _json(200 if ready else 503, body)
         if target == "/health":
             serving, tiers = self._service.health()
             body = {
@@ -119,7 +162,7 @@ class AdminServer:
                 return _json(503, {"error": "metrics unavailable"})
         if target == "/stats":
             return _json(200, self._service.stats())
-        return _json(404, {"error": f"no such path {target}", "paths": ["/health", "/metrics", "/stats"]})
+        return _json(404, {"error": f"no such path {target}", "paths": list(PATHS)})
 
 
 def _json(status: int, body: dict[str, Any]) -> tuple[int, str, bytes]:
