@@ -1,8 +1,8 @@
 # The kvtier service image: `kvtier serve` with the CPU, disk and Redis tiers. No vLLM, no torch:
 # the service never touches a model, so the image stays small (the connector lives in vLLM's image).
 #
-#   docker build -t kvtier/kvtier:0.1.0 .
-#   docker run --rm kvtier/kvtier:0.1.0 config     # any `kvtier` subcommand
+#   docker build -t kvtier:local .                # compose.yaml builds it under this name
+#   docker run --rm kvtier:local config           # any `kvtier` subcommand (--version, stats, clear...)
 
 # ---- build: a wheel of the repository, so the final image carries no source tree or build tools.
 FROM python:3.11.13-slim-bookworm AS build

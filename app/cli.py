@@ -1,19 +1,28 @@
-"""The `kvtier` command line: serve, stats, config and bench.
+"""The `kvtier` command line: serve, stats, clear, config, bench and --version.
 
 Every command loads and validates the settings first, so an invalid configuration exits with status 2
-and a message naming the key before anything is started.
+and a message naming the key before anything is started. Tables show sizes in binary units
+(`2.0 GiB`); `--json` prints the raw numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import platform
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ByteSize
 
 from kvtier.app.settings import KVTierSettings, SettingsError, describe, load_settings_with_sources
+from kvtier.storage.base import Tier
+
+if TYPE_CHECKING:
+    from kvtier.app.client import ServiceClient
 
 # Benchmarks: name -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`
 # and is imported only when run. The connector's benchmark registers itself here under "connector".
@@ -24,6 +33,85 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu": ("kvtier.bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
     "gpu-check": ("kvtier.bench.gpu_check", "correctness of the CUDA copy path (CPU part runs anywhere)"),
 }
+
+
+TIER_NAMES = tuple(t.label for t in Tier)
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+# `kvtier stats` tier table: stats key, column title, shown as a size.
+_TIER_COLUMNS = (
+    ("chunks", "chunks", False),
+    ("bytes", "bytes", True),
+    ("capacity", "capacity", True),
+    ("hits", "hits", False),
+    ("stores", "stores", False),
+    ("evictions", "evictions", False),
+    ("errors", "errors", False),
+    ("bytes_read", "read", True),
+    ("bytes_written", "written", True),
+)
+_SUMMARY_KEYS = (
+    ("leases_active", False),
+    ("slots_in_use", False),
+    ("slots_total_bytes", True),
+    ("write_queue_depth", False),
+    ("writes_dropped", False),
+    ("connections", False),
+)
+
+
+class CommandFailed(Exception):
+    """A command's error, phrased for the operator (empty: already printed); code is the exit status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def report(self) -> int:
+        """Print the message on stderr and return the exit status."""
+        if str(self):
+            print(str(self), file=sys.stderr)
+        return self.code
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units with one decimal (`512.0 MiB`, `2.0 GiB`); below 1 KiB, `N B`."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    value = float(n)
+    for unit in _BINARY_UNITS:
+        value /= 1024
+        if abs(round(value, 1)) < 1024 or unit == _BINARY_UNITS[-1]:
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _cell(value: Any, size: bool) -> str:
+    return format_bytes(value) if size and isinstance(value, int | float) else str(value)
+
+
+def version_text() -> str:
+    """What `kvtier --version` prints: kvtier's version, the wire protocol's and Python's."""
+    from kvtier.app.metrics import CHECKOUT_ROOT, CHECKOUT_SUFFIX, UNKNOWN_VERSION, kvtier_version
+    from kvtier.app.protocol import PROTOCOL_VERSION
+
+    version = kvtier_version()
+    about = f"protocol {PROTOCOL_VERSION}, Python {platform.python_version()}"
+    if version.endswith(CHECKOUT_SUFFIX):
+        about += f"; not installed: version read from {CHECKOUT_ROOT / 'pyproject.toml'}"
+    elif version == UNKNOWN_VERSION:
+        about += "; not installed and no pyproject.toml beside it: version unknown"
+    return f"kvtier {version} ({about})"
+
+
+class _VersionAction(argparse.Action):
+    """--version: version_text() as is (argparse's own action rewraps it), read only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_text())
+        parser.exit(0)
 
 
 def _settings() -> KVTierSettings | None:
@@ -44,9 +132,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(table, indent=2, sort_keys=True))
         return 0
+    sizes = {name for name, field in KVTierSettings.model_fields.items() if field.annotation is ByteSize}
     width = max(len(name) for name in table)
     for name, row in table.items():
-        print(f"{name:<{width}}  {row['value']!s:<40}  ({row['source']})")
+        value = _cell(row["value"], name in sizes)
+        print(f"{name:<{width}}  {value:<40}  ({row['source']})")
     return 0
 
 
@@ -66,26 +156,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(settings, options)
 
 
-def _cmd_stats(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _service(command: str, args: argparse.Namespace) -> Iterator[ServiceClient]:
+    """A client of the service at --url (or service_url); a failed call becomes CommandFailed
+    with exit status 1, bad settings or a bad address with 2."""
     from kvtier.app.address import resolve_url
     from kvtier.app.client import ServiceClient, ServiceError
 
     settings = _settings()
     if settings is None:
-        return 2
+        raise CommandFailed("", 2)
     try:
         url = resolve_url(settings.service_url, args.url)
         client = ServiceClient(url, settings.auth_token, timeout=args.timeout)
     except (ValueError, OSError) as exc:
-        print(f"kvtier stats: {exc}", file=sys.stderr)
-        return 2
+        raise CommandFailed(f"kvtier {command}: {exc}", 2) from None
     try:
-        stats = client.stats().result(timeout=args.timeout + 1.0)
+        yield client
     except (ServiceError, TimeoutError) as exc:
-        print(f"kvtier stats: {url}: {exc}", file=sys.stderr)
-        return 1
+        where = "" if url in str(exc) else f"{url}: "
+        raise CommandFailed(f"kvtier {command}: {where}{exc}", 1) from None
     finally:
         client.close()
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    try:
+        with _service("stats", args) as client:
+            stats = client.stats().result(timeout=args.timeout + 1.0)
+    except CommandFailed as exc:
+        return exc.report()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:
@@ -94,19 +194,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _print_stats(stats: dict[str, Any]) -> None:
-    cols = ("chunks", "bytes", "hits", "stores", "evictions", "errors")
-    print(f"{'tier':<8}" + "".join(f"{c:>14}" for c in cols) + "  state")
+    print(f"{'tier':<8}" + "".join(f"{title:>11}" for _, title, _ in _TIER_COLUMNS) + "  state")
     for name, tier in stats.get("tiers", {}).items():
         state = "up" if tier.get("healthy", True) else "down"
-        print(f"{name:<8}" + "".join(f"{tier.get(c, 0):>14}" for c in cols) + f"  {state}")
-    for key in (
-        "leases_active",
-        "slots_in_use",
-        "write_queue_depth",
-        "writes_dropped",
-        "connections",
-    ):
-        print(f"{key:<18} {stats.get(key, 0)}")
+        cells = "".join(f"{_cell(tier.get(key, 0), size):>11}" for key, _, size in _TIER_COLUMNS)
+        print(f"{name:<8}{cells}  {state}")
+    for key, size in _SUMMARY_KEYS:
+        print(f"{key:<18} {_cell(stats.get(key, 0), size)}")
     _print_engines(stats.get("engines") or [])
 
 
@@ -116,6 +210,37 @@ def _print_engines(engines: list[dict[str, Any]]) -> None:
     for engine in engines:
         state = "active" if engine.get("active") else f"idle: {engine.get('reason') or 'no reason given'}"
         print(f"  {engine.get('engine_id', '?')}  {engine.get('role', '?'):<9}  {state}")
+
+
+def tier_list(text: str) -> list[str]:
+    """The argparse type of `clear --tier`: one tier name or a comma list of them."""
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in TIER_NAMES]
+    if unknown or not names:
+        what = f"unknown tier {unknown[0]!r}" if unknown else "no tier named"
+        raise argparse.ArgumentTypeError(f"{what}; allowed: {', '.join(TIER_NAMES)}")
+    return names
+
+
+def _cmd_clear(args: argparse.Namespace) -> int:
+    asked = {name for group in args.tier or [] for name in group}
+    tiers = [tier for tier in Tier if tier.label in asked] if asked else list(Tier)
+    wait = args.timeout + 1.0
+    try:
+        with _service("clear", args) as client:
+            held = set(client.stats().result(timeout=wait).get("tiers", {}))
+            dropped = client.clear(tiers).result(timeout=wait)
+    except CommandFailed as exc:
+        return exc.report()
+    cleared = [t.label for t in tiers if t.label in held]
+    absent = [t.label for t in tiers if t.label not in held]
+    if args.json:
+        print(json.dumps({"dropped": dropped, "tiers": cleared, "absent": absent}, sort_keys=True))
+        return 0
+    print(f"dropped {dropped} chunks from {', '.join(cleared) or 'no tier'}")
+    if absent:
+        print(f"kvtier clear: the service has no {' or '.join(absent)} tier", file=sys.stderr)
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -138,6 +263,30 @@ def run_bench(name: str, argv: list[str]) -> int:
     return result or 0
 
 
+def _add_clear(sub: argparse._SubParsersAction) -> None:
+    clear = sub.add_parser(
+        "clear",
+        help="drop the chunks a running service holds (all tiers, or those named)",
+        description=(
+            "Drop every chunk of the named tiers (default: all) from a running service and print how"
+            " many were dropped. Chunks leased by a lookup whose load is pending are kept. A Redis"
+            " tier shared by other services is cleared for them too."
+        ),
+    )
+    clear.add_argument(
+        "--tier",
+        action="append",
+        type=tier_list,
+        metavar="TIER",
+        help=f"a tier to clear, {', '.join(TIER_NAMES)}: repeat it or give a comma list (default: all)",
+    )
+    clear.add_argument("--url", help="service address (default: service_url or the default socket)")
+    clear.add_argument("--json", action="store_true", help="print one JSON object")
+    # Clearing Redis scans its keys: allow more than a stats call needs.
+    clear.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
+    clear.set_defaults(func=_cmd_clear)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench",
@@ -158,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier", description="KV-cache tiering service and tools for vLLM."
     )
+    parser.add_argument("--version", action=_VersionAction, help="print kvtier's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     config = sub.add_parser("config", help="print the effective settings and where each value came from")
     config.add_argument("--json", action="store_true", help="print one JSON object")
@@ -176,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     stats.set_defaults(func=_cmd_stats)
+    _add_clear(sub)
     _add_bench(sub)
     for register in EXTRA_COMMANDS:
         register(sub)

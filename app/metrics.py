@@ -3,17 +3,23 @@
 Who owns what: the service's event loop owns ServiceMetrics (plain ints bumped on the hot path, no
 locks, latency histograms included: a prometheus_client Histogram takes two locks per observation);
 the Prometheus registry belongs to one service instance, never the process-global one, and reads
-the store's counters and these at scrape time instead of keeping a second copy of them.
+the store's counters and these at scrape time instead of keeping a second copy of them. Besides
+kvtier's own families the registry carries ``kvtier_build_info`` and prometheus_client's process,
+platform and GC collectors (what the process-global registry would have had).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import time
+import tomllib
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -23,7 +29,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvtier.app.protocol import PROTOCOL_VERSION
 from kvtier.storage.base import StoreStats, Tier
+
+DISTRIBUTION = "kvtier"
+# A checkout's root (pyproject.toml) is two levels above this file; an installed kvtier has none there.
+CHECKOUT_ROOT = Path(__file__).resolve().parents[1]
+CHECKOUT_SUFFIX = "+checkout"
+UNKNOWN_VERSION = "0+unknown"
 
 LATENCY_BUCKETS = (
     50e-6,
@@ -266,7 +279,54 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+def kvtier_version(distribution: str = DISTRIBUTION, checkout: Path = CHECKOUT_ROOT) -> str:
+    """The installed distribution's version; from a checkout without installed metadata, the version
+    in its pyproject.toml plus CHECKOUT_SUFFIX; UNKNOWN_VERSION when neither can be read."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with (checkout / "pyproject.toml").open("rb") as f:
+            version = tomllib.load(f)["project"]["version"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return UNKNOWN_VERSION
+    return f"{version}{CHECKOUT_SUFFIX}" if isinstance(version, str) else UNKNOWN_VERSION
+
+
+def build_labels() -> dict[str, str]:
+    """The labels of kvtier_build_info: kvtier's version, Python's and the wire protocol's."""
+    return {
+        "version": kvtier_version(),
+        "python": platform.python_version(),
+        "protocol": str(PROTOCOL_VERSION),
+    }
+
+
+class BuildInfoCollector(Collector):
+    """``kvtier_build_info``: a constant 1 whose labels say what runs."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self._labels = dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        """The one family."""
+        family = GaugeMetricFamily(
+            "kvtier_build_info",
+            "kvtier's version, Python's version and the wire protocol's version; always 1.",
+            labels=list(self._labels),
+        )
+        family.add_metric(list(self._labels.values()), 1.0)
+        yield family
+
+
 def build_registry(snapshot: Callable[[], StoreStats], metrics: ServiceMetrics) -> CollectorRegistry:
-    """The service instance's registry: the scrape-time collector of the store's and service's counters."""
-    metrics.registry.register(StoreCollector(snapshot, metrics))
-    return metrics.registry
+    """The service instance's registry: the scrape-time collector of the store's and service's
+    counters, kvtier_build_info, and the process, platform and GC collectors."""
+    registry = metrics.registry
+    registry.register(StoreCollector(snapshot, metrics))
+    registry.register(BuildInfoCollector(build_labels()))
+    ProcessCollector(registry=registry)  # process_*: CPU seconds, memory, open fds (Linux /proc)
+    PlatformCollector(registry=registry)  # python_info
+    GCCollector(registry=registry)  # python_gc_*
+    return registry

@@ -1,7 +1,7 @@
 # vLLM's CPU build (vllm-cpu 0.32.0, the version kvtier's tests run) with kvtier, for compose.yaml's
 # `vllm-cpu` service (profile "cpu"): machines without a GPU. Build context: the repository root.
 #
-#   docker build -f docker/vllm-cpu.Dockerfile -t kvtier/vllm-cpu:0.32.0-kvtier0.1.0 .
+#   docker build -f docker/vllm-cpu.Dockerfile -t kvtier-vllm-cpu:local .
 
 # ---- build: a wheel of kvtier.
 FROM python:3.11.13-slim-bookworm AS build

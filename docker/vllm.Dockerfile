@@ -1,7 +1,7 @@
 # vLLM's official OpenAI server image (CUDA) with kvtier added, for compose.yaml's `vllm` service.
 # Build context: the repository root.
 #
-#   docker build -f docker/vllm.Dockerfile -t kvtier/vllm-openai:v0.33.0-kvtier0.1.0 .
+#   docker build -f docker/vllm.Dockerfile -t kvtier-vllm:local .
 #
 # kvtier supports vLLM >=0.32,<0.34 (the `gpu` extra); bump the tag only within that range.
 

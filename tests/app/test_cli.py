@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import socket
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from kvtier.app import cli
 from kvtier.app import protocol as p
-from tests.app import ROOT, RawConn, kvtier_cmd, python_env, thread_service
+from kvtier.app.client import ServiceClient
+from tests.app import ROOT, SPEC, RawConn, hashes, kvtier_cmd, python_env, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 PASSWORD = "hunter2-pa55word"
@@ -83,6 +87,7 @@ def test_redis_password_is_never_printed(
         ["config", "--help"],
         ["serve", "--help"],
         ["stats", "--help"],
+        ["clear", "--help"],
         ["bench", "--help"],
         ["bench", "service", "--help"],
     ],
@@ -102,7 +107,8 @@ def test_help_of_other_benchmarks_when_installed(capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize(
-    "argv", [["serve"], ["stats", "--json"], ["bench", "service", "--json"], ["bench", "storage"]]
+    "argv",
+    [["serve"], ["stats", "--json"], ["clear"], ["bench", "service", "--json"], ["bench", "storage"]],
 )
 def test_invalid_configuration_stops_every_command(
     argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -156,3 +162,135 @@ def test_stats_lists_the_engines_connected_and_their_state(
             {"engine_id": "engine-7", "role": "scheduler", "active": True, "reason": ""},
             {"engine_id": "engine-7", "role": "worker", "active": False, "reason": "1-D KV"},
         ]
+
+
+# ------------------------------------------------------------------------------------------ --version
+def _pyproject_version() -> str:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        version: str = tomllib.load(f)["project"]["version"]
+    return version
+
+
+def test_version_names_kvtier_the_protocol_and_python(capsys: pytest.CaptureFixture[str]) -> None:
+    installed = importlib.metadata.version("kvtier")
+    assert installed == _pyproject_version()  # the editable install is of this checkout
+    code, out, err = _run(["--version"], capsys)
+    python = platform.python_version()
+    assert code == 0 and not err
+    assert out == f"kvtier {installed} (protocol {p.PROTOCOL_VERSION}, Python {python})\n"
+
+
+def test_version_from_a_checkout_without_metadata(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    code, out, _ = _run(["--version"], capsys)
+    assert code == 0
+    assert out.startswith(f"kvtier {_pyproject_version()}+checkout (protocol {p.PROTOCOL_VERSION}, ")
+    assert out.endswith(f"; not installed: version read from {ROOT / 'pyproject.toml'})\n")
+
+
+# --------------------------------------------------------------------------------------------- sizes
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        ((1 << 20) - 1, "1.0 MiB"),
+        (512 << 20, "512.0 MiB"),
+        (2 << 30, "2.0 GiB"),
+        (3 * 10**9, "2.8 GiB"),
+        (5 << 40, "5.0 TiB"),
+        (2048 << 50, "2048.0 PiB"),
+    ],
+)
+def test_format_bytes_uses_binary_units(n: int, text: str) -> None:
+    assert cli.format_bytes(n) == text
+
+
+def test_config_shows_sizes_in_binary_units(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTIER_CPU_SIZE", "3GiB")
+    code, out, _ = _run(["config"], capsys)
+    assert code == 0
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in out.splitlines()}
+    assert rows["cpu_size"].split() == ["3.0", "GiB", "(env)"]
+    assert rows["disk_size"].split() == ["16.0", "GiB", "(default)"]
+    assert rows["chunk_size"].split() == ["256", "(default)"]  # a count, not a size
+
+
+def _store_chunks(url: str, n: int) -> None:
+    with ServiceClient(url) as client:
+        namespace = client.hello(SPEC).result(5).namespace
+        keys = hashes(n)
+        got = client.reserve(namespace, keys).result(5)
+        client.commit(namespace, keys, got.slots).result(5)
+
+
+def test_stats_shows_sizes_and_json_keeps_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with thread_service(tmp_path) as svc:
+        _store_chunks(svc.url, 3)
+        code, out, _ = _run(["stats", "--url", svc.url], capsys)
+        assert code == 0
+        lines = out.splitlines()
+        assert lines[0].split() == [
+            "tier", "chunks", "bytes", "capacity", "hits", "stores", "evictions", "errors", "read",
+            "written", "state",
+        ]  # fmt: skip
+        cpu = next(line for line in lines if line.startswith("cpu "))
+        assert cpu.split() == "cpu 3 6.0 KiB 4.0 MiB 0 3 0 0 0 B 6.0 KiB up".split()
+        code, out, _ = _run(["stats", "--url", svc.url, "--json"], capsys)
+        assert code == 0
+        tier = json.loads(out)["tiers"]["cpu"]
+        assert (tier["bytes"], tier["capacity"], tier["bytes_written"]) == (6 << 10, 4 << 20, 6 << 10)
+
+
+# --------------------------------------------------------------------------------------------- clear
+def test_clear_drops_the_chunks_of_the_named_tiers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with thread_service(tmp_path, disk_path=str(tmp_path / "disk"), disk_size="1MiB") as svc:
+        _store_chunks(svc.url, 3)
+
+        def chunks() -> tuple[int, int]:
+            tiers = svc.service.store.stats().tiers  # type: ignore[union-attr]
+            return tiers["cpu"].chunks, tiers["disk"].chunks
+
+        assert svc.wait_for(lambda: chunks() == (3, 3)), svc.call(chunks)  # written behind to disk
+        code, out, err = _run(["clear", "--url", svc.url, "--tier", "cpu"], capsys)
+        assert (code, out, err) == (0, "dropped 3 chunks from cpu\n", "")
+        assert svc.call(chunks) == (0, 3)
+        code, out, err = _run(["clear", "--url", svc.url, "--tier", "disk,redis"], capsys)
+        assert (code, out) == (0, "dropped 3 chunks from disk\n")
+        assert err == "kvtier clear: the service has no redis tier\n"
+        assert svc.call(chunks) == (0, 0)
+        _store_chunks(svc.url, 2)
+        assert svc.wait_for(lambda: chunks() == (2, 2)), svc.call(chunks)
+        code, out, _ = _run(["clear", "--url", svc.url, "--tier", "disk", "--tier", "cpu", "--json"], capsys)
+        assert code == 0
+        assert json.loads(out) == {"dropped": 4, "tiers": ["cpu", "disk"], "absent": []}
+        assert svc.call(chunks) == (0, 0)
+
+
+@pytest.mark.parametrize("tier", ["ssd", "cpu,ssd", "CPU,,gpu", ""])
+def test_clear_names_an_unknown_tier_and_the_allowed_ones(
+    tier: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(["clear", "--url", "unix:///nonexistent/kvtier.sock", "--tier", tier], capsys)
+    bad = [name for name in tier.lower().split(",") if name and name not in ("cpu", "disk", "redis")]
+    what = f"unknown tier {bad[0]!r}" if bad else "no tier named"
+    assert code == 2 and not out
+    assert f"argument --tier: {what}; allowed: cpu, disk, redis" in err
+
+
+def test_clear_of_an_unreachable_service_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"unix://{tmp_path}/none.sock"
+    code, out, err = _run(["clear", "--url", url, "--timeout", "2"], capsys)
+    assert code == 1 and not out
+    assert err.startswith(f"kvtier clear: kvtier service {url}: cannot connect")

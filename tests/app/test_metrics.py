@@ -1,12 +1,31 @@
-"""Service metrics: latency histograms kept as plain counts, exposed as Prometheus histograms."""
+"""Service metrics: latency histograms as plain counts, kvtier_build_info, the process metrics."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import platform
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.app.metrics import LATENCY_BUCKETS, ServiceMetrics, build_registry, stats_dict
+from kvtier.app.metrics import (
+    CHECKOUT_SUFFIX,
+    LATENCY_BUCKETS,
+    UNKNOWN_VERSION,
+    ServiceMetrics,
+    build_registry,
+    kvtier_version,
+    stats_dict,
+)
+from kvtier.app.protocol import PROTOCOL_VERSION
 from kvtier.storage.base import StoreStats, TierStats
+from tests.app import thread_service
+from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 
 def test_latency_is_exposed_as_a_cumulative_histogram() -> None:
@@ -26,3 +45,51 @@ def test_latency_is_exposed_as_a_cumulative_histogram() -> None:
     assert "kvtier_commit_seconds" in families and "kvtier_reserve_seconds" in families
     timing = stats_dict(stats, metrics, "i")["service_seconds"]
     assert timing["lookup"]["count"] == 4 and timing["commit"] == {"count": 0, "sum": 0.0}
+
+
+def test_version_falls_back_to_the_checkout_then_to_unknown(tmp_path: Path) -> None:
+    missing = "kvtier-no-such-distribution"
+    assert kvtier_version(missing, tmp_path) == UNKNOWN_VERSION
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "kvtier"\nversion = "9.8.7"\n')
+    assert kvtier_version(missing, tmp_path) == "9.8.7" + CHECKOUT_SUFFIX
+    (tmp_path / "pyproject.toml").write_text("[project\n")
+    assert kvtier_version(missing, tmp_path) == UNKNOWN_VERSION
+    assert kvtier_version() == importlib.metadata.version("kvtier")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_admin_metrics_carry_build_info_and_process_metrics(tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    with thread_service(tmp_path, admin_port=str(port)), urllib.request.urlopen(url, timeout=5) as resp:
+        body = resp.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    (build,) = families["kvtier_build_info"].samples
+    assert build.value == 1.0
+    assert build.labels == {
+        "version": importlib.metadata.version("kvtier"),
+        "python": platform.python_version(),
+        "protocol": str(PROTOCOL_VERSION),
+    }
+    assert families["python_info"].samples[0].labels["version"] == platform.python_version()
+    (rss,) = families["process_resident_memory_bytes"].samples
+    assert rss.value > 0
+    (cpu,) = families["process_cpu_seconds"].samples
+    assert cpu.name == "process_cpu_seconds_total" and cpu.value > 0
+    (start,) = families["process_start_time_seconds"].samples
+    assert start.value == pytest.approx(_process_start_time(), abs=1.0)
+    assert "process_open_fds" in families and "python_gc_collections" in families
+
+
+def _process_start_time() -> float:
+    """This process's start, in seconds since the epoch, from /proc (as ProcessCollector reads it)."""
+    with open("/proc/stat") as f:
+        boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    with open("/proc/self/stat") as f:
+        ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

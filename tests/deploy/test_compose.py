@@ -27,6 +27,17 @@ DOCKERFILES = {
     "vllm-cpu": REPO / "docker" / "vllm-cpu.Dockerfile",
 }
 VLLM_SERVICES = ("vllm", "vllm-cpu")
+# Services whose images compose builds from this checkout (never pulled).
+BUILT_SERVICES = {
+    "kvtier": "Dockerfile",
+    "vllm": "docker/vllm.Dockerfile",
+    "vllm-cpu": "docker/vllm-cpu.Dockerfile",
+}
+GRAFANA = REPO / "deploy" / "grafana"
+DASHBOARD = REPO / "deploy" / "grafana-dashboard.json"
+# vLLM's CPU build: its default block size, which chunk_size must divide by (docs/troubleshooting.md).
+CPU_BLOCK_SIZE = 128
+DOCKER_SHM_DEFAULT = 64 << 20
 # Read by Docker Compose itself rather than substituted into compose.yaml.
 COMPOSE_OWN_VARS = frozenset({"COMPOSE_PROFILES"})
 # The name the vLLM plugin registers, read without importing the connector (which imports vLLM).
@@ -113,6 +124,13 @@ def argv(service: Mapping[str, Any]) -> list[str]:
         value = service.get(key) or []
         parts += value.split() if isinstance(value, str) else [str(v) for v in value]
     return parts
+
+
+def docker_bytes(size: str) -> int:
+    """Bytes of a Docker size (`8g`, `512m`, `64mb`: powers of 1024, as Docker reads them)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([bkmg]?)b?", size.strip().lower())
+    assert match, f"not a Docker size: {size!r}"
+    return int(float(match[1]) * 1024 ** "bkmg".index(match[2] or "b"))
 
 
 def option(args: list[str], name: str) -> str | None:
@@ -204,12 +222,13 @@ def settings_of(compose: Mapping[str, Any], name: str) -> KVTierSettings:
 
 # ----------------------------------------------------------------------------------------- services
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
-    """The stack has the five services; the vLLM builds and Prometheus sit in their profiles."""
+    """The stack has the six services; the vLLM builds, Prometheus and Grafana sit in their profiles."""
     services = compose["services"]
-    assert {"redis", "kvtier", "vllm", "vllm-cpu", "prometheus"} <= set(services)
+    assert {"redis", "kvtier", "vllm", "vllm-cpu", "prometheus", "grafana"} <= set(services)
     assert services["vllm"]["profiles"] == ["gpu"]
     assert services["vllm-cpu"]["profiles"] == ["cpu"]
     assert services["prometheus"]["profiles"] == ["metrics"]
+    assert services["grafana"]["profiles"] == ["metrics"]
     assert "profiles" not in services["redis"] and "profiles" not in services["kvtier"]
 
 
@@ -284,6 +303,21 @@ def test_gpu_reservation_and_shared_memory(compose: dict[str, Any]) -> None:
         assert service.get("shm_size") or service.get("ipc") == "host", name
 
 
+def test_cpu_profile_sets_what_the_cpu_build_needs(compose: dict[str, Any]) -> None:
+    """vllm-cpu: its own KV cache bounded by the flag (no legacy variable overriding it), eager mode,
+    the connector's extra reserved core pinned back, /dev/shm above Docker's 64 MiB, and chunks of
+    whole CPU blocks (docs/troubleshooting.md, vLLM's CPU build)."""
+    service = compose["services"]["vllm-cpu"]
+    args, env = argv(service), service_env(service)
+    kv_bytes = option(args, "--kv-cache-memory-bytes")
+    assert kv_bytes and re.fullmatch(r"\d+[KMGTkmgt]?", kv_bytes), kv_bytes
+    assert "--enforce-eager" in args
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env, "it would override --kv-cache-memory-bytes"
+    assert int(env["VLLM_CPU_NUM_OF_RESERVED_CPU"]) >= 1
+    assert docker_bytes(str(service["shm_size"])) > DOCKER_SHM_DEFAULT
+    assert settings_of(compose, "vllm-cpu").chunk_size % CPU_BLOCK_SIZE == 0
+
+
 def test_connector_and_service_agree(compose: dict[str, Any]) -> None:
     """vLLM's connector settings point at the service kvtier runs, with the same chunk size."""
     server = settings_of(compose, "kvtier")
@@ -353,6 +387,70 @@ def test_prometheus_scrapes_kvtier_and_vllm(compose: dict[str, Any]) -> None:
     assert "vllm:8000" in targets
     aliases = compose["services"]["vllm-cpu"]["networks"]["default"]["aliases"]
     assert "vllm" in aliases, "vllm-cpu answers to the same scrape target"
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics", job["job_name"]
+
+
+def _grafana_file(folder: str) -> dict[str, Any]:
+    (path,) = sorted((GRAFANA / folder).glob("*.y*ml"))
+    data: dict[str, Any] = yaml.safe_load(path.read_text())
+    assert data["apiVersion"] == 1, path
+    return data
+
+
+def test_grafana_provisions_prometheus_and_the_dashboard(compose: dict[str, Any]) -> None:
+    """Grafana (metrics profile) gets the stack's Prometheus as its default data source and loads the
+    kvtier dashboard from the repository, as its home page; it is published on loopback only."""
+    grafana, services = compose["services"]["grafana"], compose["services"]
+    assert is_pinned(grafana["image"]) and grafana["image"].startswith("grafana/grafana:")
+    targets = {source: target for target, source in mounts(grafana).items()}
+    assert targets["./deploy/grafana/datasources"] == "/etc/grafana/provisioning/datasources"
+    assert targets["./deploy/grafana/dashboards"] == "/etc/grafana/provisioning/dashboards"
+    dashboard = PurePosixPath(targets["./deploy/grafana-dashboard.json"])
+    for source in targets:
+        assert not source.startswith("./") or (REPO / source).exists(), source
+    (datasource,) = _grafana_file("datasources")["datasources"]
+    url = urlsplit(datasource["url"])
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    assert url.hostname == "prometheus" and "prometheus" in services
+    assert any(str(p).endswith(f":{url.port}") for p in services["prometheus"]["ports"])
+    prometheus = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    assert datasource["jsonData"]["timeInterval"] == prometheus["global"]["scrape_interval"]
+    (provider,) = _grafana_file("dashboards")["providers"]
+    assert provider["type"] == "file" and PurePosixPath(provider["options"]["path"]) == dashboard.parent
+    assert service_env(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == str(dashboard)
+    assert all(str(p).startswith("127.0.0.1:") for p in grafana["ports"])
+
+
+def test_dashboard_shows_the_service_and_the_connector() -> None:
+    """Every connector family (connector/prom.py), kvtier_build_info and the service's process
+    metrics have a panel, besides the service's kvtier_* panels."""
+    exprs = " ".join(
+        t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])
+    )
+    connector = set(re.findall(r'"(vllm:kvtier_[a-z_]+)"', (REPO / "connector" / "prom.py").read_text()))
+    assert "vllm:kvtier_active" in connector and len(connector) > 10
+    used = {name.removesuffix("_total") for name in re.findall(r"vllm:kvtier_[a-z_]+", exprs)}
+    assert connector - used == set()
+    for name in ("kvtier_build_info", "process_cpu_seconds_total", "process_resident_memory_bytes"):
+        assert name in exprs, name
+    assert "kvtier_hit_tokens_total" in exprs and "kvtier_tier_bytes" in exprs
+
+
+def test_images_are_built_locally(raw: dict[str, Any]) -> None:
+    """kvtier's images are built from this checkout under local names, never pulled from a registry
+    namespace the project does not own; each Dockerfile's build comment names the same image."""
+    services = raw["services"]
+    for name, dockerfile in BUILT_SERVICES.items():
+        service = services[name]
+        assert service["build"] == {"context": ".", "dockerfile": dockerfile}, name
+        assert service.get("pull_policy") == "build", f"{name}: set pull_policy: build"
+        image = service.get("image")
+        if image is not None:
+            assert "/" not in image and image.endswith(":local"), f"{name}: {image} is not a local name"
+            assert re.search(rf"docker build .*-t {re.escape(image)} \.", (REPO / dockerfile).read_text())
+    for name, service in services.items():
+        assert ("build" in service) == (name in BUILT_SERVICES), f"{name}: built or pulled?"
 
 
 def test_images_are_pinned(raw: dict[str, Any]) -> None:
