@@ -37,7 +37,7 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _KVTIER_METRIC = re.compile(r"(?<![\w:])kvtier_[a-z_]+(?![\w-])")
-_VLLM_METRIC = re.compile(r"\bvllm:[a-z_]+")
+_VLLM_METRIC = re.compile(r"(?<![\w-])vllm:[a-z_]+")  # not an image name such as kvtier-vllm:local
 _METRIC_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
 

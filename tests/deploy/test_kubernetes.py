@@ -32,8 +32,8 @@ K8S_VERSIONS = ("1.33", kubernetes_validate.utils.latest_version())
 KUSTOMIZATION_KEYS = frozenset({"apiVersion", "kind", "resources", "namespace"})
 CLUSTER_SCOPED = frozenset({"Namespace"})
 WORKLOADS = frozenset({"Deployment", "DaemonSet", "StatefulSet"})
-KVTIER_IMAGE = "kvtier/kvtier:"
-VLLM_IMAGE = "kvtier/vllm-openai:"
+KVTIER_IMAGE = "kvtier:"
+VLLM_IMAGE = "kvtier-vllm:"
 KVTIER_UID = 10001  # the Dockerfile's kvtier user
 # Values of the Secrets the manifests expect the operator to create (docs/deployment.md).
 SECRETS = {("redis-auth", "password"): "0123456789abcdef0123456789abcdef"}
