@@ -12,15 +12,17 @@ Paths:
 Failures: every call runs under ``redis_timeout``; a timeout or connection failure trips the circuit
 breaker, which refuses calls (counted as 'unavailable', answered as misses) until ``breaker_period``
 passes and one probe call succeeds. So a dead Redis costs one timeout per period, and nothing raises.
+On a cluster each node has its own breaker (``ClusterRouter``): a dead primary's keys are misses while
+the other shards serve on, and its slots are served again once the cluster promotes a replica.
 
 Pins: Redis evicts by its own TTL (``redis_ttl``, EX on every SET) and maxmemory policy, which a client
 cannot veto, so pins here only govern ``delete``: deleting a pinned key hides it from this tier's
 lookups at once and removes it from Redis when the last pin is released, so a lease that already
 counted the chunk can still stage it.
 
-Who owns what: the event loop owns the pins, stats, breaker and idle-connection list; worker threads
-own a raw connection only while running one command on it. The tier owns the clients it builds and
-closes them in close(); an injected client stays the caller's to close.
+Who owns what: the event loop owns the pins, stats, breakers, cluster router and idle-connection list;
+worker threads own a raw connection only while running one command on it. The tier owns the clients it
+builds and closes them in close(); an injected client stays the caller's to close.
 """
 
 from __future__ import annotations
@@ -38,19 +40,14 @@ from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtier.runtime.handoff import run_to_end, wait_done
+from kvtier.runtime.handoff import run_to_end
 from kvtier.storage import codec
 from kvtier.storage.base import BlobError, ChunkKey, Tier, TierStats
 from kvtier.storage.breaker import CircuitBreaker
 from kvtier.storage.config import RedisConfig, redact_url
 from kvtier.storage.keys import REDIS_PREFIX, redis_key
 from kvtier.storage.tiers.pins import PinBook
-from kvtier.storage.tiers.redis_wire import (
-    GetOutcome,
-    RawConnection,
-    RawEndpoint,
-    ServerReplyError,
-)
+from kvtier.storage.tiers.redis_wire import GetOutcome, RawEndpoint, RawPool, ServerReplyError
 
 log = logging.getLogger("kvtier.redis")
 T = TypeVar("T")
@@ -58,8 +55,11 @@ RedisClient = Redis | RedisCluster
 # Connections beyond the data-path pool, so lookups and deletes never queue behind large transfers.
 _SPARE_CONNECTIONS = 4
 _CLEAR_BATCH = 500
-# Cluster errors that mean the cluster (not this one command) is unwell.
+# Cluster errors that mean the cluster (not this one command) is being reconfigured.
 _CLUSTER_FAILURES = (rexc.ClusterDownError, rexc.TryAgainError, rexc.MovedError, rexc.AskError)
+# How often, at most, a cluster's slot map is checked while a node is down: CLUSTER SLOTS is cheap, and
+# a promoted replica's slots are served again within this long of the cluster announcing it.
+_MAP_CHECK_INTERVAL = 0.5
 
 
 def client_url(url: str) -> str:
@@ -85,7 +85,8 @@ def failure_kind(exc: BaseException) -> tuple[str, bool]:
     if isinstance(exc, TimeoutError | rexc.TimeoutError):
         return "timeout", True
     if isinstance(exc, _CLUSTER_FAILURES):
-        return "cluster", True
+        # A node answered at once (no timeout to spare): the call is a miss, the slot map is checked.
+        return "cluster", False
     if isinstance(exc, ServerReplyError | rexc.ResponseError | rexc.DataError):
         return "server_error", False  # the server answered: it is up, this one command failed
     if isinstance(exc, rexc.AuthenticationError | rexc.AuthorizationError):
@@ -116,67 +117,105 @@ def build_client(config: RedisConfig) -> RedisClient:
     return Redis(connection_pool=pool)
 
 
-class RawPool:
-    """Up to ``size`` raw connections, each command run by a worker thread under a deadline."""
+class ClusterRouter:
+    """Where each key of a Redis Cluster lives, a breaker per node, and the slot map kept current.
 
-    def __init__(
-        self, endpoint: RawEndpoint, size: int, timeout: float, executor: ThreadPoolExecutor
-    ) -> None:
-        self.endpoint = endpoint
+    A node that times out or refuses connections is skipped for a breaker period (its keys answer as
+    misses) while the other shards serve on. Calls refused or failed on a node mark the slot map
+    stale; a stale map is checked against CLUSTER SLOTS (at most every _MAP_CHECK_INTERVAL, in the
+    background) and reloaded when the cluster moved slots, as it does when it promotes a replica.
+    Then the slots go to the new primary, whose breaker is its own, and the dead node's is dropped.
+
+    Who owns what: the tier's event loop owns the breakers, the map check task and ``generation``;
+    the client stays the tier's. Reloading the map closes every node's connections, so a call that
+    fails across a reload (``generation`` moved on) says nothing about its node.
+    """
+
+    def __init__(self, client: RedisCluster, period: float, timeout: float) -> None:
+        self.client = client
+        self.period = period
         self.timeout = timeout
-        self.executor = executor  # borrowed from the tier, which shuts it down
-        self._slots = asyncio.Semaphore(size)
-        self._idle: list[RawConnection] = []
+        self.generation = 0
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._stale = False
+        self._next_check = 0.0
+        self._check: asyncio.Task[None] | None = None
 
-    async def run(self, op: Callable[[RawConnection, float], T]) -> T:
-        """Run op(connection, deadline) in a thread; on timeout or cancel, abort it and wait for it."""
-        async with self._slots:  # waiting for a connection is not part of the call's timeout
-            conn = self._idle.pop() if self._idle else RawConnection(self.endpoint, self.timeout)
-            deadline = time.monotonic() + self.timeout
-            work = self.executor.submit(self._call, conn, op, deadline)
-            try:
-                async with asyncio.timeout(self.timeout):
-                    result = await asyncio.wrap_future(work)
-            except BaseException as exc:
-                if not work.done():
-                    conn.abort()  # the thread may be writing into the caller's buffer: stop it
-                    await wait_done(work)
-                if not isinstance(exc, ServerReplyError):
-                    self.drop_idle()  # the server likely went away: its other sockets are dead too
-                self._put_back(conn)
-                raise
-            self._put_back(conn)
-            return result
+    @property
+    def healthy(self) -> bool:
+        """True when every node in the map takes calls."""
+        return all(b.closed for b in self._breakers.values())
 
-    @staticmethod
-    def _call(conn: RawConnection, op: Callable[[RawConnection, float], T], deadline: float) -> T:
+    def breaker(self, node: str) -> CircuitBreaker:
+        """The breaker of node ``host:port``."""
+        breaker = self._breakers.get(node)
+        if breaker is None:
+            breaker = self._breakers[node] = CircuitBreaker(self.period)
+        return breaker
+
+    async def route(self, names: list[str]) -> dict[str, list[int]]:
+        """Indices of names grouped by the node that holds each (loads the map on first use)."""
+        await self.client.initialize()  # a no-op once loaded
+        now = time.monotonic()
+        if self._stale and self._check is None and now >= self._next_check:
+            self._stale = False
+            self._next_check = now + _MAP_CHECK_INTERVAL
+            self._check = asyncio.get_running_loop().create_task(self._check_map())
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            node = self.client.get_node_from_key(name)
+            groups.setdefault(node.name if node is not None else "", []).append(i)
+        return groups
+
+    def mark_stale(self) -> None:
+        """A call to a node failed or was refused: the cluster may have moved its slots."""
+        self._stale = True
+
+    async def _check_map(self) -> None:
         try:
-            if conn.connected and conn.stale():
-                conn.close()
-            if not conn.connected:
-                conn.connect(deadline)
-            return op(conn, deadline)
-        except ServerReplyError:
-            raise  # the reply was read whole: the connection is still in sync
-        except BaseException:
-            conn.broken = True
-            raise
+            async with asyncio.timeout(self.timeout):
+                if await self._map_moved():
+                    await self._reload()
+        except Exception as exc:  # the next stale call checks again; the calls count their own failures
+            log.debug("redis cluster slot map check failed: %s: %s", type(exc).__name__, exc)
+            self._stale = True
+        finally:
+            self._check = None
 
-    def _put_back(self, conn: RawConnection) -> None:
-        if conn.broken or not conn.connected:
-            conn.close()
-        else:
-            self._idle.append(conn)
+    async def _map_moved(self) -> bool:
+        """Whether a live node's CLUSTER SLOTS places some slot on another node than the client does."""
+        primaries = self.client.get_primaries()
+        ask = next((n for n in primaries if self.breaker(n.name).closed), None)
+        if ask is None:
+            return True  # every known primary is failing: ask the seed nodes afresh
+        slots = await self.client.cluster_slots(target_nodes=ask)
+        for (first, _), where in slots.items():
+            host, port = where["primary"]
+            current = self.client.nodes_manager.slots_cache.get(first)
+            if not current or current[0].name != f"{host}:{port}":
+                return True
+        return False
 
-    def drop_idle(self) -> None:
-        """Close every idle connection (no thread holds an idle one)."""
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+    async def _reload(self) -> None:
+        """Load the slot map afresh, from nodes whose breaker is closed where any is known."""
+        self.generation += 1
+        startup = self.client.nodes_manager.startup_nodes
+        failing = {name for name, breaker in self._breakers.items() if not breaker.closed}
+        if any(name not in failing for name in startup):
+            for name in failing:
+                startup.pop(name, None)  # as redis-py does with a node that failed a command
+        await self.client.aclose()
+        await self.client.initialize()
+        known = {n.name for n in self.client.get_nodes()}
+        self._breakers = {k: b for k, b in self._breakers.items() if k in known}
+        log.info(
+            "redis cluster slot map reloaded: primaries %s", [n.name for n in self.client.get_primaries()]
+        )
 
-    def close(self) -> None:
-        """Close idle connections (a running command's connection closes when it ends)."""
-        self.drop_idle()
+    async def close(self) -> None:
+        """Wait for a running map check."""
+        if self._check is not None:
+            await asyncio.gather(self._check, return_exceptions=True)
 
 
 def _blob_bytes(key: ChunkKey, payload: memoryview) -> bytearray:
@@ -230,6 +269,11 @@ class RedisTier:
         self._threads = ThreadPoolExecutor(config.pool_size, thread_name_prefix="kvtier-redis")
         self._raw = RawPool(endpoint, config.pool_size, self.timeout, self._threads) if endpoint else None
         self._slots = asyncio.Semaphore(config.pool_size)  # big transfers via redis.asyncio
+        self._router = (
+            ClusterRouter(self._client, config.breaker_period, self.timeout)
+            if isinstance(self._client, RedisCluster)
+            else None
+        )
         self._book = PinBook()
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats()
@@ -240,11 +284,17 @@ class RedisTier:
         return self._raw is not None
 
     # ------------------------------------------------------------------------------------------ guard
-    async def _guarded(self, call: Callable[[], Awaitable[T]], default: T) -> T:
-        """Run call under the breaker; a failure is counted and answered with default."""
-        if not self.breaker.allow():
+    async def _guarded(self, call: Callable[[], Awaitable[T]], default: T, node: str | None = None) -> T:
+        """Run call under the tier's breaker (or that of cluster node ``node``); a failure is
+        counted and answered with default."""
+        router = self._router
+        breaker = self.breaker if node is None or router is None else router.breaker(node)
+        if not breaker.allow():
             self._stats.count_error("unavailable")
+            if node is not None and router is not None:
+                router.mark_stale()
             return default
+        generation = router.generation if router is not None else 0
         try:
             result = await call()
         except asyncio.CancelledError:
@@ -252,22 +302,50 @@ class RedisTier:
         except Exception as exc:
             kind, backend_down = failure_kind(exc)
             self._stats.count_error(kind)
+            if router is not None:
+                if backend_down or kind == "cluster":
+                    router.mark_stale()
+                if router.generation != generation:
+                    return default  # the map was reloaded under this call, closing its connection
             if backend_down:
-                opens = self.breaker.opens
-                self.breaker.record_failure()
-                if self.breaker.opens != opens:
-                    log.warning(
-                        "redis %s unavailable (%s: %s); skipping it for %.1fs",
-                        self.url_for_logs,
-                        kind,
-                        type(exc).__name__,
-                        self.breaker.period,
-                    )
+                self._trip(breaker, kind, exc, node)
             else:
-                self.breaker.record_success()
+                breaker.record_success()
             return default
-        self.breaker.record_success()
+        breaker.record_success()
         return result
+
+    def _trip(self, breaker: CircuitBreaker, kind: str, exc: Exception, node: str | None) -> None:
+        opens = breaker.opens
+        breaker.record_failure()
+        if breaker.opens != opens:
+            where = self.url_for_logs if node is None else f"{self.url_for_logs} node {node}"
+            log.warning(
+                "redis %s unavailable (%s: %s); skipping it for %.1fs",
+                where,
+                kind,
+                type(exc).__name__,
+                breaker.period,
+            )
+
+    async def _keyed(self, name: str, call: Callable[[], Awaitable[T]], default: T) -> T:
+        """Run call, which reads or writes key ``name``, under the breaker of the node holding it."""
+        router = self._router
+        if router is None:
+            return await self._guarded(call, default)
+        groups = await self._guarded(lambda: self._timed(router.route([name])), None)
+        if groups is None:
+            return default
+        return await self._guarded(call, default, next(iter(groups)))
+
+    async def _one(self, add: Callable[[Any], Any]) -> Any:
+        """Run one command: ``add(client)`` on one server; on a cluster ``add(pipeline)`` in a
+        pipeline of one, which fails without redis-py closing every node's connections."""
+        if self._router is None:
+            return await add(self._client)
+        pipe = self._client.pipeline(transaction=False)
+        add(pipe)
+        return (await pipe.execute())[0]
 
     async def _timed(self, awaitable: Awaitable[T]) -> T:
         async with asyncio.timeout(self.timeout):
@@ -292,23 +370,29 @@ class RedisTier:
         if not keys:
             return []
         names = [redis_key(k) for k in keys]
-        found = await self._guarded(lambda: self._exists(names), None)
+        if self._router is None:
+            found = await self._guarded(lambda: self._timed(self._exists_batch(self._client, names)), None)
+        else:
+            found = await self._exists_per_node(self._router, names)
         if found is None:
             return [False] * len(keys)
         return [bool(f) and not self._book.is_doomed(k) for f, k in zip(found, keys, strict=True)]
 
-    async def _exists(self, names: list[str]) -> list[bool]:
+    async def _exists_per_node(self, router: ClusterRouter, names: list[str]) -> list[bool] | None:
+        """One EXISTS pipeline per node, concurrently; a failed or skipped node's keys are misses."""
+        groups = await self._guarded(lambda: self._timed(router.route(names)), None)
+        if groups is None:
+            return None
         client = self._client
-        if not isinstance(client, RedisCluster):
-            return await self._timed(self._exists_batch(client, names))
-        await self._timed(client.initialize())
-        groups = self.shard_groups(names)
-        answers = await self._timed(
-            asyncio.gather(*(self._exists_batch(client, [names[i] for i in idx]) for idx in groups))
-        )
+
+        async def node_batch(node: str, idx: list[int]) -> list[bool] | None:
+            batch = [names[i] for i in idx]
+            return await self._guarded(lambda: self._timed(self._exists_batch(client, batch)), None, node)
+
+        answers = await asyncio.gather(*(node_batch(node, idx) for node, idx in groups.items()))
         found = [False] * len(names)
-        for idx, answer in zip(groups, answers, strict=True):
-            for i, hit in zip(idx, answer, strict=True):
+        for idx, answer in zip(groups.values(), answers, strict=True):
+            for i, hit in zip(idx, answer or (), strict=False):
                 found[i] = hit
         return found
 
@@ -319,21 +403,16 @@ class RedisTier:
             pipe.exists(name)
         return [bool(n) for n in await pipe.execute()]
 
-    def shard_groups(self, names: list[str]) -> list[list[int]]:
+    async def shard_groups(self, names: list[str]) -> dict[str, list[int]]:
         """Indices of names grouped by the cluster node that holds each (one group if no cluster)."""
-        client = self._client
-        if not isinstance(client, RedisCluster):
-            return [list(range(len(names)))]
-        groups: dict[str, list[int]] = {}
-        for i, name in enumerate(names):
-            node = client.get_node_from_key(name)
-            groups.setdefault(node.name if node is not None else "", []).append(i)
-        return list(groups.values())
+        if self._router is None:
+            return {self.url_for_logs: list(range(len(names)))}
+        return await self._timed(self._router.route(names))
 
     async def put(self, key: ChunkKey, payload: memoryview) -> bool:
         """One SET of header+payload (EX redis_ttl when > 0); False when it could not be stored."""
         payload = memoryview(payload).cast("B")
-        ok = await self._guarded(lambda: self._put(key, payload), False)
+        ok = await self._keyed(redis_key(key), lambda: self._put(key, payload), False)
         if ok:
             self._book.forget(key)
             self._stats.stores += 1
@@ -350,13 +429,14 @@ class RedisTier:
         async with self._slots:
             blob = await run_to_end(self._threads, _blob_bytes, key, payload)
             value = memoryview(blob)  # redis-py encodes bytes and memoryview, not bytearray
-            await self._timed(self._client.set(name, value, ex=ttl if ttl > 0 else None))
+            await self._timed(self._one(lambda c: c.set(name, value, ex=ttl if ttl > 0 else None)))
         return True
 
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
         """GET key's blob, verify it and leave its payload in dest; False on miss or any failure."""
         dest = memoryview(dest).cast("B")
-        outcome = await self._guarded(lambda: self._get(key, dest), None)
+        name = redis_key(key)
+        outcome = await self._keyed(name, lambda: self._get(key, dest), None)
         if outcome is GetOutcome.HIT:
             self._stats.hits += 1
             self._stats.bytes_read += dest.nbytes
@@ -364,7 +444,7 @@ class RedisTier:
         self._stats.misses += 1
         if outcome is GetOutcome.CORRUPT:
             self._stats.count_error("corrupt")
-            await self._guarded(lambda: self._timed(self._client.unlink(redis_key(key))), 0)
+            await self._unlink(name)
         elif outcome is GetOutcome.LENGTH_MISMATCH:
             self._stats.count_error("length_mismatch")
         return False
@@ -375,7 +455,7 @@ class RedisTier:
             rkey = name.encode()
             return await self._raw.run(lambda conn, deadline: conn.get_into(rkey, key, dest, deadline))
         async with self._slots:
-            value = await self._timed(self._client.get(name))
+            value = await self._timed(self._one(lambda c: c.get(name)))
             if value is None:
                 return GetOutcome.MISS
             return await run_to_end(self._threads, _decode_into, value, key, dest)
@@ -386,7 +466,13 @@ class RedisTier:
             self._book.doom(key)
             return
         self._book.forget(key)
-        await self._guarded(lambda: self._timed(self._client.unlink(redis_key(key))), 0)
+        await self._unlink(redis_key(key))
+
+    async def _unlink(self, name: str) -> None:
+        # execute_command: a cluster pipeline's unlink() is a coroutine of its transaction mode.
+        await self._keyed(
+            name, lambda: self._timed(self._one(lambda c: c.execute_command("UNLINK", name))), 0
+        )
 
     async def _delete_if_doomed(self, key: ChunkKey) -> None:
         # A put since the delete revived the key; a new pin defers it again.
@@ -437,12 +523,15 @@ class RedisTier:
 
     def stats(self) -> TierStats:
         """A snapshot of the counters; chunks and bytes are not tracked (Redis is shared)."""
-        return self._stats.snapshot(chunks=0, bytes=0, capacity=0, healthy=self.breaker.closed)
+        healthy = self.breaker.closed and (self._router is None or self._router.healthy)
+        return self._stats.snapshot(chunks=0, bytes=0, capacity=0, healthy=healthy)
 
     async def close(self) -> None:
         """Finish deferred deletes, close raw connections and threads, and the client we built."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self._router is not None:
+            await self._router.close()
         await asyncio.get_running_loop().run_in_executor(None, self._threads.shutdown, True)
         if self._raw is not None:
             self._raw.close()

@@ -12,25 +12,33 @@ socket per connection speaks just enough RESP2 for GET and SET against a single 
 - A value over RANGE_PIECE is read as slices (GETRANGE), a few in flight, each hashed as it lands
   (see ``_read_slices`` for why a single GET of a large value is slow on the server's side).
 
-Who owns what: a RawConnection is used by one worker thread at a time (the pool hands it out); the
-only cross-thread call is ``abort()``, which shuts the socket down so a blocked call returns at once.
+Who owns what: a RawConnection is used by one worker thread at a time (RawPool, on the event loop's
+side, hands it out and keeps the idle ones); the only cross-thread call is ``abort()``, which shuts
+the socket down so a blocked call returns at once.
 Timeouts: the socket carries SO_RCVTIMEO/SO_SNDTIMEO of the call timeout and every loop checks an
 absolute deadline, so no call blocks longer than its budget even when the event loop side gave up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import socket
 import struct
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from redis.asyncio.connection import parse_url
 
+from kvtier.runtime.handoff import wait_done
 from kvtier.storage import codec
 from kvtier.storage.base import BlobError, ChunkKey
+
+T = TypeVar("T")
 
 _READ_BUFFER = 64 * 1024
 _LINE_FILL = 4096  # bytes asked for when a reply line is expected: any over-read is a tiny copy
@@ -503,3 +511,66 @@ class RawConnection:
             step = min(n, len(scratch))
             self._read_into(view[:step])
             n -= step
+
+
+class RawPool:
+    """Up to ``size`` raw connections, each command run by a worker thread under a deadline."""
+
+    def __init__(
+        self, endpoint: RawEndpoint, size: int, timeout: float, executor: ThreadPoolExecutor
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.executor = executor  # borrowed from the tier, which shuts it down
+        self._slots = asyncio.Semaphore(size)
+        self._idle: list[RawConnection] = []
+
+    async def run(self, op: Callable[[RawConnection, float], T]) -> T:
+        """Run op(connection, deadline) in a thread; on timeout or cancel, abort it and wait for it."""
+        async with self._slots:  # waiting for a connection is not part of the call's timeout
+            conn = self._idle.pop() if self._idle else RawConnection(self.endpoint, self.timeout)
+            deadline = time.monotonic() + self.timeout
+            work = self.executor.submit(self._call, conn, op, deadline)
+            try:
+                async with asyncio.timeout(self.timeout):
+                    result = await asyncio.wrap_future(work)
+            except BaseException as exc:
+                if not work.done():
+                    conn.abort()  # the thread may be writing into the caller's buffer: stop it
+                    await wait_done(work)
+                if not isinstance(exc, ServerReplyError):
+                    self.drop_idle()  # the server likely went away: its other sockets are dead too
+                self._put_back(conn)
+                raise
+            self._put_back(conn)
+            return result
+
+    @staticmethod
+    def _call(conn: RawConnection, op: Callable[[RawConnection, float], T], deadline: float) -> T:
+        try:
+            if conn.connected and conn.stale():
+                conn.close()
+            if not conn.connected:
+                conn.connect(deadline)
+            return op(conn, deadline)
+        except ServerReplyError:
+            raise  # the reply was read whole: the connection is still in sync
+        except BaseException:
+            conn.broken = True
+            raise
+
+    def _put_back(self, conn: RawConnection) -> None:
+        if conn.broken or not conn.connected:
+            conn.close()
+        else:
+            self._idle.append(conn)
+
+    def drop_idle(self) -> None:
+        """Close every idle connection (no thread holds an idle one)."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def close(self) -> None:
+        """Close idle connections (a running command's connection closes when it ends)."""
+        self.drop_idle()

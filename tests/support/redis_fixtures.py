@@ -2,12 +2,14 @@
 
 Register from the root conftest with ``pytest_plugins = ["tests.support.redis_fixtures"]``.
 
-Tests that need a server skip (not fail) when redis-server is not installed. Every fixture stops its
-processes in a finally block, so a failing test leaves nothing running.
+Tests that need a server skip when redis-server is not installed, and fail instead when CI=true (there
+a missing server is a broken install). Every fixture stops its processes in a finally block, so a
+failing test leaves nothing running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -18,11 +20,12 @@ from tests.support.redis_server import RedisClusterServers, RedisServer, have_re
 TEST_PASSWORD = "kvtier-test-secret"
 
 
-def _need_redis() -> None:
+def need_redis() -> None:
+    """Skip the test when redis-server is missing; fail it instead when CI=true (or 1, yes)."""
     if have_redis_server():
         return
     # `make test` installs redis-server; in CI a missing one is a broken install, not a reason to skip.
-    if os.environ.get("CI"):
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail("redis-server is not installed (make test installs it through apt)")
     pytest.skip("redis-server is not installed")
 
@@ -30,7 +33,7 @@ def _need_redis() -> None:
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """A redis-server shared by the tests of one module (flush between tests if it matters)."""
-    _need_redis()
+    need_redis()
     server = RedisServer()
     try:
         yield server.start()
@@ -41,7 +44,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def redis_server_fn() -> Iterator[RedisServer]:
     """A redis-server of this test alone (kill/restart it freely)."""
-    _need_redis()
+    need_redis()
     server = RedisServer()
     try:
         yield server.start()
@@ -52,7 +55,7 @@ def redis_server_fn() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def redis_server_auth() -> Iterator[RedisServer]:
     """A redis-server that requires TEST_PASSWORD."""
-    _need_redis()
+    need_redis()
     server = RedisServer(password=TEST_PASSWORD)
     try:
         yield server.start()
@@ -63,9 +66,35 @@ def redis_server_auth() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterServers]:
     """A 3-primary Redis Cluster shared by the session."""
-    _need_redis()
+    need_redis()
     cluster = RedisClusterServers(3)
     try:
         yield cluster.start()
     finally:
         cluster.cleanup()
+
+
+# Failure detection time of the replicated cluster: a killed primary's replica serves its slots about
+# two node timeouts later. Short, so failover tests stay quick; long enough that a node busy for a
+# moment on a loaded machine is not taken for dead.
+FAILOVER_NODE_TIMEOUT_MS = 1000
+
+
+@contextlib.contextmanager
+def replicated_cluster(full_coverage: bool = True) -> Iterator[RedisClusterServers]:
+    """A started cluster of 3 primaries with one replica each, cleaned up however the block ends."""
+    need_redis()
+    cluster = RedisClusterServers(
+        3, replicas=1, node_timeout_ms=FAILOVER_NODE_TIMEOUT_MS, full_coverage=full_coverage
+    )
+    try:
+        yield cluster.start()
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture
+def redis_cluster_replicated() -> Iterator[RedisClusterServers]:
+    """A Redis Cluster of 3 primaries with one replica each, of this test alone (kill nodes freely)."""
+    with replicated_cluster() as cluster:
+        yield cluster
