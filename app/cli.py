@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ByteSize
 
-from kvtier.app.settings import KVTierSettings, SettingsError, describe, load_settings_with_sources
+from kvtier.app.settings import (
+    KVTierSettings,
+    SettingsError,
+    describe,
+    ignored_env,
+    load_settings_with_sources,
+)
 from kvtier.storage.base import Tier
 
 if TYPE_CHECKING:
@@ -128,6 +135,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"kvtier: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    ignored = ignored_env(os.environ)
+    if ignored:  # on stderr: --json stays one object
+        names = ", ".join(ignored)
+        print(
+            f"kvtier config: ignored Kubernetes service-link variables (not settings): {names}",
+            file=sys.stderr,
+        )
     table = describe(settings, sources)
     if args.json:
         print(json.dumps(table, indent=2, sort_keys=True))

@@ -3,7 +3,11 @@
 With ``service_url`` empty, every kvtier process of an engine (scheduler and workers) calls
 ``ensure_service(settings, engine_id)``. All of them derive the same socket path from the engine id;
 a file lock (``fcntl.flock``) lets exactly one of them find the socket dead and start
-``python -m kvtier.app.server``, while the others wait on the lock and then find it alive.
+``python -m kvtier.app.server``, while the others wait on the lock and then find it alive. The lock
+file is removed by whoever releases it (engine ids are new for every engine, so a lock file left
+behind would never be used again); one left by a process killed while holding it is swept by the
+next start of a service, if nobody holds its lock. The service writes its log lines as text into the
+stream the engine logs to (``log_stream``), so they appear in vLLM's log among vLLM's own.
 
 Who owns what: the spawned service owns its socket, arena and state file and removes them when it
 stops. It detaches from the spawner once it listens (vLLM SIGKILLs its processes' descendants at
@@ -36,6 +40,7 @@ from typing import Any
 from kvtier.app import protocol as p
 from kvtier.app.address import MAX_UNIX_PATH, runtime_dir
 from kvtier.app.client import ServiceClient
+from kvtier.app.logs import LogStream
 from kvtier.app.settings import ENV_PREFIX, KVTierSettings
 from kvtier.runtime.affinity import engine_cpus, format_cpus
 
@@ -111,22 +116,82 @@ def probe(path: Path | str, token: str = "", timeout: float = PROBE_TIMEOUT_S) -
         sock.close()
 
 
+def _names(path: Path, fd: int) -> bool:
+    """True when path (not followed if a link) still names the open file fd."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (info.st_dev, info.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _flock_by(fd: int, path: Path, deadline: float) -> None:
+    """Take the exclusive flock of fd, waiting until deadline."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise EmbeddedError(f"timed out waiting for {path}") from None
+            time.sleep(0.02)
+
+
+def _acquire(path: Path, deadline: float) -> int:
+    """An fd holding the flock of the file that path names now.
+
+    Only a holder removes the file, so a lock taken on a file that path no longer names (removed, or
+    replaced by a new one, while we waited) protects nothing: try again on what path names now.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            _flock_by(fd, path, deadline)
+            if _names(path, fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def _locked(path: Path, timeout: float) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """Hold the lock file at path; removed when released, so none is left behind."""
+    fd = _acquire(path, time.monotonic() + timeout)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise EmbeddedError(f"timed out waiting for {path}") from None
-                time.sleep(0.02)
         yield
     finally:
-        os.close(fd)  # closing drops the lock
+        try:
+            if _names(path, fd):  # always true: only a holder removes or replaces it
+                path.unlink()
+        finally:
+            os.close(fd)  # closing drops the lock; a waiter finds the file gone and tries again
+
+
+def sweep_locks(directory: Path) -> int:
+    """Remove the lock files of embedded services that nobody holds; returns how many.
+
+    A process killed while it held a lock leaves the file. Only a file whose lock this call takes,
+    and which its path still names, is removed (see ``_acquire``), so a lock in use is never lost.
+    """
+    removed = 0
+    for path in directory.glob("e-*.lock"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # removed meanwhile, or not a regular file of ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _names(path, fd):
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue  # held: in use
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _pid_alive(pid: int) -> bool:
@@ -236,7 +301,9 @@ def sweep_dead(directory: Path) -> int:
     return swept
 
 
-def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    settings: KVTierSettings, sock: Path, state: Path, log_stream: LogStream
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
@@ -248,6 +315,8 @@ def _spawn(settings: KVTierSettings, sock: Path, state: Path) -> subprocess.Pope
         "--state-file",
         str(state),
         "--detach",  # out of vLLM's process tree, which vLLM SIGKILLs at shutdown (app/daemon.py)
+        "--log-stream",
+        log_stream,  # its lines go where the engine's own log lines go
     ]
     cpus = engine_cpus()
     if cpus:  # not the cores vLLM bound the spawning thread to (see app/affinity.py)
@@ -287,10 +356,14 @@ def _wait_detached(proc: subprocess.Popen[bytes], state: Path, deadline: float) 
 
 
 def ensure_service(
-    settings: KVTierSettings, engine_id: str, *, startup_timeout: float = STARTUP_TIMEOUT_S
+    settings: KVTierSettings,
+    engine_id: str,
+    *,
+    startup_timeout: float = STARTUP_TIMEOUT_S,
+    log_stream: LogStream = "stderr",
 ) -> str:
     """The URL of the service: service_url when set, else the engine's embedded one (started here
-    if no process of the engine has started it yet, or if it died)."""
+    if no process of the engine has started it yet, or if it died), logging to log_stream."""
     if settings.service_url:
         return settings.service_url
     sock, lock, state = paths_for(engine_id)
@@ -304,13 +377,16 @@ def ensure_service(
         if clean_stale(sock, state, token):
             return url
         sweep_dead(sock.parent)
+        sweep_locks(sock.parent)
         log.info("starting the embedded kvtier service", extra={"url": url})
-        proc = _spawn(settings, sock, state)
+        proc = _spawn(settings, sock, state, log_stream)
         _wait_ready(proc, sock, state, token, startup_timeout)
     return url
 
 
-def respawner(settings: KVTierSettings, engine_id: str) -> Callable[[], None]:
+def respawner(
+    settings: KVTierSettings, engine_id: str, log_stream: LogStream = "stderr"
+) -> Callable[[], None]:
     """An ``on_unavailable`` hook for ServiceClient that restarts the embedded service when it died.
 
     Rate-limited so a service that cannot start is not spawned in a tight loop.
@@ -326,15 +402,18 @@ def respawner(settings: KVTierSettings, engine_id: str) -> Callable[[], None]:
                 time.sleep(wait)
             last[0] = time.monotonic()
             try:
-                ensure_service(settings, engine_id)
+                ensure_service(settings, engine_id, log_stream=log_stream)
             except (EmbeddedError, OSError) as exc:
                 log.warning("restarting the embedded kvtier service failed: %s", exc)
 
     return hook
 
 
-def connect(settings: KVTierSettings, engine_id: str, **client_kwargs: Any) -> ServiceClient:
-    """A ServiceClient for the engine's service (configured or embedded; embedded ones respawn)."""
-    url = ensure_service(settings, engine_id)
-    hook = None if settings.service_url else respawner(settings, engine_id)
+def connect(
+    settings: KVTierSettings, engine_id: str, *, log_stream: LogStream = "stderr", **client_kwargs: Any
+) -> ServiceClient:
+    """A ServiceClient for the engine's service (configured or embedded; embedded ones respawn and
+    log to log_stream, the stream of the engine's own log)."""
+    url = ensure_service(settings, engine_id, log_stream=log_stream)
+    hook = None if settings.service_url else respawner(settings, engine_id, log_stream)
     return ServiceClient(url, settings.auth_token, on_unavailable=hook, **client_kwargs)

@@ -1,4 +1,9 @@
-"""Structured logging for the service: one JSON object per line on stderr, secrets scrubbed."""
+"""The service's logs: JSON lines for `kvtier serve`, vLLM-like text lines in vLLM's log for the
+embedded service; secrets scrubbed in both.
+
+A log collector reading a standalone service wants one JSON object per line with an ISO-8601 time; an
+operator reading vLLM's log wants the embedded service's lines to look like the lines around them.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +12,87 @@ import logging
 import sys
 import time
 from collections.abc import Iterable
-from typing import Any, TextIO
+from datetime import UTC, datetime
+from typing import Any, Literal, TextIO
 from urllib.parse import urlsplit
 
-# Attributes every LogRecord has; anything else on a record came from `extra=` and is a field.
-_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+LogFormat = Literal["json", "text"]
+LogStream = Literal["stdout", "stderr"]  # where a service writes its lines
+
+# Attributes every LogRecord has; anything else on a record came from `extra=` and is a field. vLLM's
+# record factory adds vllm_process_name to every record of a process that imported vLLM.
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "vllm_process_name",
+    "fileinfo",
+}
+TEXT_NAME = "kvtier-service"  # the process name text lines show, where vLLM shows EngineCore etc.
+TEXT_DATE_FORMAT = "%m-%d %H:%M:%S"  # vLLM's
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a record got through `extra=`."""
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+
+
+def iso_time(created: float) -> str:
+    """A record's time as ISO-8601 in UTC with milliseconds, e.g. 2025-05-06T12:34:56.789Z."""
+    return datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as a JSON line: ts, level, logger, msg, then the record's extra fields."""
+    """Formats a record as a JSON line: time, level, logger, msg, then the record's extra fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         """One JSON object, without newlines."""
         out: dict[str, Any] = {
-            "ts": round(record.created, 6),
+            "time": iso_time(record.created),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD and not key.startswith("_"):
-                out[key] = value
+        out.update(_fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str, separators=(",", ":"))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        """ISO-like UTC time (unused by format, kept for handlers that ask)."""
-        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
+        """ISO-8601 UTC time (for handlers that ask)."""
+        return iso_time(record.created)
+
+
+class TextFormatter(logging.Formatter):
+    """Formats a record as vLLM formats its own lines, then its extra fields as key=value:
+
+    ``(kvtier-service pid=123) INFO 05-06 12:34:56 [server.py:201] serving url=unix:///... pid=123``
+    """
+
+    def __init__(self) -> None:
+        super().__init__(datefmt=TEXT_DATE_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        """One line; a traceback follows on the lines after it."""
+        fields = " ".join(f"{k}={_text_value(v)}" for k, v in _fields(record).items())
+        message = record.getMessage() + (f" {fields}" if fields else "")
+        line = (
+            f"({TEXT_NAME} pid={record.process}) {record.levelname} {self.formatTime(record, self.datefmt)} "
+            f"[{record.filename}:{record.lineno}] {message}"
+        )
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """Local time, as vLLM's lines have it."""
+        return time.strftime(datefmt or TEXT_DATE_FORMAT, time.localtime(record.created))
+
+
+def _text_value(value: Any) -> str:
+    """A field's value on a text line: quoted only when it has spaces or is empty."""
+    text = str(value)
+    return json.dumps(text) if not text or any(c.isspace() for c in text) else text
 
 
 class SecretFilter(logging.Filter):
@@ -75,8 +133,20 @@ def secrets_of(auth_token: str, redis_url: str) -> list[str]:
     return [s for s in out if s]
 
 
-def setup_logging(level: str, secrets: Iterable[str] = (), stream: TextIO | None = None) -> None:
-    """Route every logger of this process to JSON lines on stderr at level (idempotent).
+def resolve_format(setting: str, embedded: bool) -> LogFormat:
+    """The log format of a service: the log_format setting, where 'auto' means text for the
+    embedded service (its lines land in vLLM's log) and json for `kvtier serve`."""
+    if setting == "json":
+        return "json"
+    if setting == "text":
+        return "text"
+    return "text" if embedded else "json"
+
+
+def setup_logging(
+    level: str, secrets: Iterable[str] = (), stream: TextIO | None = None, fmt: LogFormat = "json"
+) -> None:
+    """Route every logger of this process to lines of fmt on stream (stderr) at level (idempotent).
 
     Only the service process calls this: it owns its root logger, so storage's loggers follow too.
     """
@@ -87,7 +157,7 @@ def setup_logging(level: str, secrets: Iterable[str] = (), stream: TextIO | None
             handler.close()
     handler = logging.StreamHandler(stream or sys.stderr)
     handler._kvtier = True  # type: ignore[attr-defined]
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(TextFormatter() if fmt == "text" else JsonFormatter())
     handler.addFilter(SecretFilter(secrets))
     logger.addHandler(handler)
     logger.setLevel(level)

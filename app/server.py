@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 from kvtier.app.address import Address, parse_url, resolve_url
 from kvtier.app.connection import Connection
 from kvtier.app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
-from kvtier.app.logs import secrets_of, setup_logging
+from kvtier.app.logs import LogStream, resolve_format, secrets_of, setup_logging
 from kvtier.app.service import Service
-from kvtier.app.settings import KVTierSettings, SettingsError, load_settings
+from kvtier.app.settings import KVTierSettings, SettingsError, load_settings, log_ignored_env
 from kvtier.runtime.affinity import parse_cpus, run_on
 from kvtier.runtime.event_loop import new_event_loop
 from kvtier.storage.base import StorageError, StoreAPI
@@ -57,6 +57,7 @@ class ServeOptions:
     parent: ParentWatch | None = None  # embedded: watches parent_pid (made before detaching)
     ready_fd: int = -1  # detached: where to report that the service serves
     state_file: str = ""  # embedded: where to record pid, url and arena for the next spawner
+    log_stream: LogStream = "stderr"  # embedded: the stream vLLM logs to, so the lines interleave
 
 
 async def _default_store(settings: KVTierSettings) -> StoreAPI:
@@ -324,7 +325,7 @@ def serve(settings: KVTierSettings, options: ServeOptions) -> int:
     if options.parent is not None and options.parent.gone():
         log.info("parent %d exited before the service started", options.parent.pid)
         return 0
-    setup_logging(settings.log_level, secrets_of(settings.auth_token, settings.redis_url))
+    _setup_logging(settings, options)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(_main_async(settings, options, [s for s in early if s != PARENT_SIGNAL]))
@@ -333,6 +334,19 @@ def serve(settings: KVTierSettings, options: ServeOptions) -> int:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _setup_logging(settings: KVTierSettings, options: ServeOptions) -> None:
+    """The process's log lines: JSON for `kvtier serve`, text into vLLM's log stream for the embedded
+    service (unless log_format says otherwise); then say which environment variables were ignored."""
+    embedded = bool(options.parent_pid)
+    setup_logging(
+        settings.log_level,
+        secrets_of(settings.auth_token, settings.redis_url),
+        stream=sys.stdout if options.log_stream == "stdout" else sys.stderr,
+        fmt=resolve_format(settings.log_format, embedded),
+    )
+    log_ignored_env(os.environ)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -360,6 +374,7 @@ def options_from_args(args: argparse.Namespace, settings: KVTierSettings) -> Ser
         grace=args.grace,
         parent_pid=getattr(args, "parent_pid", 0) or 0,
         state_file=getattr(args, "state_file", "") or "",
+        log_stream="stdout" if getattr(args, "log_stream", "") == "stdout" else "stderr",
     )
 
 
@@ -371,6 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--state-file", default="", help=argparse.SUPPRESS)
     parser.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     parser.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--log-stream", choices=("stdout", "stderr"), default="stderr", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     # First, before any thread exists: the watch must see the spawner as this process's parent,
     # and the fork of detach() and the CPU set must come before threads.

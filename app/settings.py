@@ -2,12 +2,17 @@
 
 Sources, lowest first: defaults, a YAML file named by ``KVTIER_CONFIG_FILE``, ``KVTIER_*`` environment
 variables, then ``kv_connector_extra_config`` keys (same names, lower case, no prefix). Unknown keys are
-errors everywhere. Every error names where the bad value came from, the value, and what is allowed.
+errors everywhere, with one exception: the variables Kubernetes injects for a Service named ``kvtier``
+(``KVTIER_SERVICE_HOST``, ``KVTIER_PORT_7711_TCP``, ...; see ``ignored_env``) are not settings and are
+ignored. Every error names where the bad value came from, the value, and what is allowed.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +29,18 @@ CONFIG_FILE_ENV = "KVTIER_CONFIG_FILE"
 SECRET_FIELDS = frozenset({"auth_token", "redis_url"})
 
 Source = Literal["default", "yaml", "env", "extra_config"]
+
+# The service-link variables Kubernetes puts into every pod for a Service named "kvtier" (names upper
+# case, a port's name with '-' as '_'), unless the pod sets enableServiceLinks: false.
+_LINK_SUFFIX = (
+    r"(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+    r"|PORT(?:_[0-9]+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)"
+)
+SERVICE_LINK = re.compile(ENV_PREFIX + _LINK_SUFFIX)
+# The same variables of a Service named "kvtier-<something>": not ignored, but the error says why.
+_OTHER_SERVICE_LINK = re.compile(ENV_PREFIX + r"[A-Z0-9_]+_" + _LINK_SUFFIX)
+
+log = logging.getLogger("kvtier.settings")
 
 SERVICE_SCHEMES = ("unix", "tcp")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
@@ -93,13 +110,27 @@ class KVTierSettings(BaseSettings):
         0, ge=0, le=65535, description="Port of the admin HTTP server (/health /metrics /stats)."
     )
     admin_host: str = Field("127.0.0.1", description="Address the admin HTTP server binds.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Service log level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level of the service, and of kvtier's lines in vLLM's log."
+    )
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto",
+        description=(
+            "Service log lines: 'json' (one object per line, ISO-8601 times) or 'text' (lines like "
+            "vLLM's); 'auto' = text for the embedded service (in vLLM's log), json for kvtier serve."
+        ),
+    )
     config_file: str = Field("", description="YAML file read before the environment (read-only).")
 
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper_level(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _lower_format(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("service_url")
     @classmethod
@@ -156,6 +187,64 @@ class KVTierSettings(BaseSettings):
 
 
 FIELD_NAMES: frozenset[str] = frozenset(KVTierSettings.model_fields)
+
+
+def _env_key(var: str) -> str | None:
+    """The setting name a KVTIER_* variable would set; None for a variable without the prefix."""
+    if not var.upper().startswith(ENV_PREFIX):
+        return None
+    return var[len(ENV_PREFIX) :].lower()
+
+
+def ignored_env(environ: Mapping[str, str]) -> list[str]:
+    """The KVTIER_* variables that are Kubernetes service links of a Service named kvtier, sorted.
+
+    Exactly the names Kubernetes injects (KVTIER_SERVICE_HOST, KVTIER_SERVICE_PORT[_<NAME>],
+    KVTIER_PORT, KVTIER_PORT_<N>_<PROTO>[_PROTO|_PORT|_ADDR]); a name that is also a setting is
+    never ignored.
+    """
+    return sorted(
+        var
+        for var in environ
+        if (key := _env_key(var)) is not None
+        and key not in FIELD_NAMES
+        and SERVICE_LINK.fullmatch(var.upper())
+    )
+
+
+def log_ignored_env(environ: Mapping[str, str]) -> list[str]:
+    """Log one INFO line naming the ignored variables (if any) and return them."""
+    names = ignored_env(environ)
+    if names:
+        log.info(
+            "kvtier ignores %d Kubernetes service-link variable(s), which are not settings: %s",
+            len(names),
+            ", ".join(names),
+        )
+    return names
+
+
+def _unknown_env(var: str, key: str) -> str:
+    """How an unknown KVTIER_* variable is named in the error, with the likely fixes."""
+    hints = [
+        f"did you mean {ENV_PREFIX}{c.upper()}?"
+        for c in difflib.get_close_matches(key, sorted(FIELD_NAMES), n=1)
+    ]
+    if _OTHER_SERVICE_LINK.fullmatch(var.upper()):
+        hints.append(
+            "If it is a Kubernetes service link of a Service named 'kvtier-...', set "
+            "enableServiceLinks: false in the pod spec or rename the Service: only the links of a "
+            "Service named 'kvtier' are ignored"
+        )
+    return f"environment variable {var}" + (f" ({' '.join(hints)})" if hints else "")
+
+
+def _unknown_key(name: str, where: str) -> str:
+    """How an unknown YAML or extra-config key is named in the error, with a likely spelling."""
+    if name == "config_file":
+        return f"{where} (config_file can only be given as {CONFIG_FILE_ENV})"
+    close = difflib.get_close_matches(name.lower(), sorted(FIELD_NAMES), n=1)
+    return f"{where} (did you mean '{close[0]}'?)" if close else where
 
 
 def storage_config(settings: KVTierSettings) -> StorageConfig:
@@ -248,23 +337,24 @@ def _layers(
     if config_file:
         for key, value in _read_yaml(config_file).items():
             if key not in FIELD_NAMES:
-                unknown.append(f"key '{key}' in {config_file}")
+                unknown.append(_unknown_key(key, f"key '{key}' in {config_file}"))
                 continue
             values[key], sources[key] = value, "yaml"
+    ignored = set(ignored_env(env))
     for var, value in env.items():
-        if not var.upper().startswith(ENV_PREFIX):
+        name = _env_key(var)
+        if name is None or var in ignored:
             continue
-        key = var[len(ENV_PREFIX) :].lower()
-        if key not in FIELD_NAMES:
-            unknown.append(f"environment variable {var}")
+        if name not in FIELD_NAMES:
+            unknown.append(_unknown_env(var, name))
             continue
-        if key == "config_file":
+        if name == "config_file":
             continue
-        values[key], sources[key] = value, "env"
+        values[name], sources[name] = value, "env"
     for key, value in (extra or {}).items():
         name = str(key).lower()
         if name not in FIELD_NAMES or name == "config_file":
-            unknown.append(f"kv_connector_extra_config key '{key}'")
+            unknown.append(_unknown_key(name, f"kv_connector_extra_config key '{key}'"))
             continue
         values[name], sources[name] = value, "extra_config"
     if unknown:

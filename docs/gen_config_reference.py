@@ -59,6 +59,7 @@ READ_BY: dict[str, str] = {
     "admin_port": "service",
     "admin_host": "service",
     "log_level": "both",
+    "log_format": "service",
     "config_file": "both",
 }
 
@@ -89,8 +90,18 @@ Sources, lowest precedence first; a later source overrides an earlier one key by
    the prefix (`"cpu_size": "8GiB"`). Only the connector sees this source.
 
 Unknown names are errors in every source, including any environment variable that starts with
-`{ENV_PREFIX}` and is not a setting: a typo never passes silently. `config_file` can only be given
-as the environment variable `{CONFIG_FILE_ENV}`.
+`{ENV_PREFIX}` and is not a setting: a typo never passes silently, and the error suggests the
+setting of the closest name. `config_file` can only be given as the environment variable
+`{CONFIG_FILE_ENV}`.
+
+One exception: Kubernetes puts service-link variables into every pod of a namespace that has a
+Service named `kvtier`, and kvtier ignores exactly these names (a setting of the same name would
+still be a setting): `{ENV_PREFIX}SERVICE_HOST`, `{ENV_PREFIX}SERVICE_PORT`,
+`{ENV_PREFIX}SERVICE_PORT_<PORT NAME>`, `{ENV_PREFIX}PORT`, `{ENV_PREFIX}PORT_<NUMBER>_<TCP|UDP|SCTP>`,
+and the last followed by `_PROTO`, `_PORT` or `_ADDR`. The service, and the connector in vLLM's log,
+say at INFO which variables they ignored, and so does `kvtier config`. A Service of another name that
+starts with `kvtier-` (say `kvtier-node`) injects `{ENV_PREFIX}NODE_SERVICE_HOST` and the like, which
+are errors: set `enableServiceLinks: false` in the pod spec, or rename the Service.
 
 The **Read by** column says which process acts on a setting when the service runs on its own
 (`kvtier serve`, see [deployment](deployment.md)): `service` settings go to that process,
@@ -274,10 +285,20 @@ KVTIER_CPU_SIZE=banana kvtier config
 {_error_text({f"{ENV_PREFIX}CPU_SIZE": "banana"})}
 ```
 
-An unknown `{ENV_PREFIX}` variable is an error too, listing the known names:
+An unknown `{ENV_PREFIX}` variable is an error too, with the closest setting and the known names:
 
 ```bash expect-fail
-KVTIER_CPU_SIZ=8GiB kvtier config
+KVTIER_CPU_BYTE=8GiB kvtier config
+```
+
+```text
+{_error_text({f"{ENV_PREFIX}CPU_BYTE": "8GiB"})}
+```
+
+Kubernetes service links of a Service named `kvtier` are not settings, and are ignored:
+
+```bash
+KVTIER_SERVICE_HOST=10.0.0.1 KVTIER_PORT=tcp://10.0.0.1:7711 KVTIER_PORT_7711_TCP_PORT=7711 kvtier config
 ```
 
 ## Secrets

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
 from kvtier.app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
-from kvtier.app.embedded import ensure_service, paths_for, respawner, service_env, sweep_dead
+from kvtier.app.embedded import (
+    _locked,
+    ensure_service,
+    paths_for,
+    respawner,
+    service_env,
+    sweep_dead,
+    sweep_locks,
+)
 from tests.app import ROOT, SPEC, hashes, python_env, settings_for, wait_until
 from tests.support.leak_check import (  # noqa: F401
     descendants,
@@ -117,6 +128,7 @@ def test_concurrent_engine_processes_start_exactly_one_service(tmp_path: Path) -
     # Every engine process is gone and none was connected: the service exits and cleans up.
     assert wait_until(lambda: not _alive(pid), 15)
     assert not Path(infos[0]["arena"]).exists()
+    assert not paths_for(engine_id)[1].exists()  # the lock file went with its last holder
 
 
 def test_service_exits_when_the_parent_dies_and_the_last_client_leaves(tmp_path: Path) -> None:
@@ -184,3 +196,78 @@ def test_dead_services_files_are_swept_and_live_ones_kept(tmp_path: Path) -> Non
         live.wait()
         for path in tmp_path.iterdir():
             path.unlink()
+
+
+def test_starting_a_service_leaves_no_lock_file_and_sweeps_stale_ones(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    engine_id = f"engine-{uuid.uuid4()}"
+    sock, lock, state = paths_for(engine_id)
+    stale, held = sock.parent / "e-stale0000000000.lock", sock.parent / "e-held00000000000.lock"
+    stale.write_bytes(b"")  # left by a process killed while it held it: nobody holds it now
+    holder = os.open(held, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another engine's process, starting its service right now
+    try:
+        ensure_service(settings, engine_id)
+        assert not lock.exists() and not stale.exists() and held.exists()
+    finally:
+        _stop_service(state)
+        held.unlink()
+        os.close(holder)
+    assert not sock.exists() and not state.exists()
+
+
+def test_sweep_removes_only_lock_files_nobody_holds(tmp_path: Path) -> None:
+    free, held = tmp_path / "e-free.lock", tmp_path / "e-held.lock"
+    other = tmp_path / "not-a-lock.lock"
+    for path in (free, held, other):
+        path.write_bytes(b"")
+    holder = os.open(held, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        assert sweep_locks(tmp_path) == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["e-held.lock", "not-a-lock.lock"]
+    finally:
+        os.close(holder)
+    assert sweep_locks(tmp_path) == 1 and not held.exists()
+    other.unlink()
+
+
+def test_the_lock_stays_exclusive_while_holders_remove_it_and_sweeps_run(tmp_path: Path) -> None:
+    """Each release removes the file and sweeps remove files nobody holds, so a waiter may lock a file
+    that is gone: it must notice and lock the one its path names now, never share the lock."""
+    lock = tmp_path / "e-race.lock"
+    inside, most, rounds = [0], [0], 100
+    errors: list[BaseException] = []
+    guard = threading.Lock()
+    stop = threading.Event()
+
+    def contender() -> None:
+        try:
+            for _ in range(rounds):
+                with _locked(lock, 30.0):
+                    with guard:
+                        inside[0] += 1
+                        most[0] = max(most[0], inside[0])
+                    time.sleep(0.001)  # widens the window in which another holder would overlap
+                    with guard:
+                        inside[0] -= 1
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    def sweeper() -> None:
+        while not stop.is_set():
+            sweep_locks(tmp_path)
+
+    threads = [threading.Thread(target=contender) for _ in range(4)]
+    sweep = threading.Thread(target=sweeper)
+    sweep.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    stop.set()
+    sweep.join(10)
+    assert not any(t.is_alive() for t in [*threads, sweep])
+    assert errors == []
+    assert most[0] == 1
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvtier.app.address import runtime_dir
 from tests.app import wait_until
 from tests.support import leak_check as lc
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -67,3 +68,38 @@ def test_arena_locked_by_another_session_is_not_ours(tmp_path: Path) -> None:
     # Once nobody holds it, it is a leak like any other.
     assert wait_until(lambda: str(arena) in lc.find_leaks(before, mark, [tmp_path])[1], 5)
     arena.unlink()
+
+
+def test_files_left_in_the_runtime_directory_are_leaks(tmp_path: Path) -> None:
+    mark = os.environ[lc.MARK_ENV]
+    directory = runtime_dir()
+    assert directory in lc.runtime_dirs()  # the session's private one
+    before = lc.snapshot(mark, [tmp_path])
+    left = [directory / "e-0123456789abcdef.lock", directory / "e-0123456789abcdef.json", directory / "other"]
+    for path in left:
+        path.write_bytes(b"")
+    try:
+        assert lc.find_leaks(before, mark, [tmp_path]) == (set(), {str(p) for p in left})
+    finally:
+        for path in left:
+            path.unlink()
+    assert lc.find_leaks(before, mark, [tmp_path]) == (set(), set())
+
+
+def test_a_lock_file_held_by_another_session_is_not_ours(tmp_path: Path) -> None:
+    mark = os.environ[lc.MARK_ENV]
+    before = lc.snapshot(mark, [tmp_path])
+    lock = runtime_dir() / "e-fedcba9876543210.lock"
+    lock.write_bytes(b"")
+    env = {k: v for k, v in os.environ.items() if k != lc.MARK_ENV}
+    starter = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], env=env,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert starter.stdout is not None
+    holder = int(starter.stdout.readline())
+    starter.wait()
+    try:
+        assert str(lock) not in lc.find_leaks(before, mark, [tmp_path])[1]
+    finally:
+        os.kill(holder, signal.SIGKILL)
+    assert wait_until(lambda: str(lock) in lc.find_leaks(before, mark, [tmp_path])[1], 5)
+    lock.unlink()

@@ -1,4 +1,4 @@
-"""A pytest fixture that fails a test which leaves a kvtier process, socket or arena file behind.
+"""A pytest fixture that fails a test which leaves a kvtier process, socket, lock or arena file behind.
 
 Register it for the whole suite from the root conftest::
 
@@ -10,7 +10,10 @@ What counts as a leak, compared with a snapshot taken when the test started:
 - a live (not zombie) process whose command line runs the service (``kvtier.app.server``, ``kvtier serve``)
   that is a descendant of the test process, or that carries this session's marker in its environment
   (a service re-parented to init after its spawner exited still carries it);
-- a ``*.sock`` file in kvtier's runtime directories or in the test's ``tmp_path``;
+- any file in kvtier's runtime directories (``$XDG_RUNTIME_DIR/kvtier``, ``/tmp/kvtier-<uid>``):
+  embedded services' sockets, state files and lock files (``e-*.lock``, removed by whoever releases
+  one), unless a live process from outside this session holds its lock;
+- a ``*.sock`` file in the test's ``tmp_path``;
 - a ``kvtier-*.arena`` file in /dev/shm, in ``$KVTIER_SHM_DIR``, or in the test's ``tmp_path``,
   unless a live process from outside this session holds its lock (another test run on the machine).
 Graceful shutdowns take a moment, so leaks must persist for ``LEAK_GRACE_S`` before they count. A
@@ -118,13 +121,19 @@ def service_pids(mark: str) -> set[int]:
     return found
 
 
+def runtime_dirs() -> list[Path]:
+    """kvtier's runtime directories (app/address.py's runtime_dir): every file in them is kvtier's."""
+    dirs = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime:
+        dirs.append(Path(runtime) / "kvtier")
+    dirs.append(Path(f"/tmp/kvtier-{os.getuid()}"))
+    return dirs
+
+
 def _file_dirs(extra: list[Path]) -> list[tuple[Path, bool]]:
     """(directory, recursive) to scan for sockets and arenas."""
     dirs: list[tuple[Path, bool]] = [(Path("/dev/shm"), False)]
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime:
-        dirs.append((Path(runtime) / "kvtier", False))
-    dirs.append((Path(f"/tmp/kvtier-{os.getuid()}"), False))
     shm = os.environ.get("KVTIER_SHM_DIR", "")
     if shm:
         dirs.append((Path(shm), False))
@@ -133,8 +142,11 @@ def _file_dirs(extra: list[Path]) -> list[tuple[Path, bool]]:
 
 
 def kvtier_files(extra: list[Path]) -> set[str]:
-    """Sockets and arena files in the places kvtier puts them."""
+    """Every file in kvtier's runtime directories, and sockets and arena files where kvtier puts them."""
     found: set[str] = set()
+    for directory in runtime_dirs():
+        with contextlib.suppress(OSError):
+            found.update(str(path) for path in directory.iterdir() if not path.is_dir())
     for directory, recursive in _file_dirs(extra):
         if not directory.is_dir():
             continue
@@ -161,8 +173,8 @@ def _lock_holders() -> dict[int, int]:
 
 
 def _foreign(path: str, mark: str, mine: set[int]) -> bool:
-    """True for an arena whose lock a live process outside this session holds."""
-    if not path.endswith(".arena"):
+    """True for an arena or lock file whose lock a live process outside this session holds."""
+    if not path.endswith((".arena", ".lock")):
         return False
     try:
         inode = os.stat(path).st_ino

@@ -1,0 +1,61 @@
+"""kvtier's lines inside vLLM's processes: in vLLM's log, in vLLM's format, at kvtier's log_level.
+
+The connector's modules log under ``vllm.kvtier`` (a child of vLLM's ``vllm`` logger, so they get
+vLLM's handler, format and stream). The app modules that run inside vLLM's processes (the client, the
+embedded spawner, the settings) log under ``kvtier``; ``ToVllmHandlers`` hands their records to the
+handlers of vLLM's logger. ``log_level`` is set on both loggers; vLLM's handler still drops what is
+below vLLM's own level. Where vLLM does not configure logging (``VLLM_CONFIGURE_LOGGING=0``) its logger
+has no handlers, and both kinds of lines reach the root logger as any library's would.
+
+vLLM's ``configure_logging`` resets the levels of loggers under ``vllm`` to NOTSET, so ``configure`` is
+called by every connector as it starts, after vLLM configured its logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from kvtier.app.logs import LogStream
+from kvtier.app.settings import KVTierSettings, log_ignored_env
+
+VLLM_LOGGER = "vllm"
+CONNECTOR_LOGGER = "vllm.kvtier"  # the connector's modules log under it
+APP_LOGGER = "kvtier"  # kvtier.app's modules (client, embedded spawner, settings) log under it
+
+
+class ToVllmHandlers(logging.Handler):
+    """Hands a record to each handler of vLLM's logger, as if the record had been logged there."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Pass the record to vLLM's handlers (each applies its own level and filters)."""
+        for handler in logging.getLogger(VLLM_LOGGER).handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def route_to_vllm(level: str) -> None:
+    """Send kvtier's lines in this process through vLLM's logging at level (idempotent)."""
+    logging.getLogger(CONNECTOR_LOGGER).setLevel(level)
+    app = logging.getLogger(APP_LOGGER)
+    app.setLevel(level)
+    if not any(isinstance(handler, ToVllmHandlers) for handler in app.handlers):
+        app.addHandler(ToVllmHandlers())
+
+
+def configure(settings: KVTierSettings, side: str) -> None:
+    """Route kvtier's lines through vLLM's logging; the scheduler (one per engine) also says which
+    KVTIER_* variables it ignored (Kubernetes service links)."""
+    route_to_vllm(settings.log_level)
+    if side == "scheduler":
+        log_ignored_env(os.environ)
+
+
+def vllm_log_stream() -> LogStream:
+    """The stream vLLM's handler writes to: where the embedded service writes its lines too."""
+    for handler in logging.getLogger(VLLM_LOGGER).handlers:
+        stream = getattr(handler, "stream", None)
+        if stream is not None and (stream is sys.stdout or stream is sys.__stdout__):
+            return "stdout"
+    return "stderr"
