@@ -28,7 +28,10 @@ from vllm.logger import init_logger
 
 from kvtier.app.client import ServiceClient
 from kvtier.app.settings import KVTierSettings, load_settings
+from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig, UnsupportedEngine, build_config
+from kvtier.connector.logs import configure as configure_logs
+from kvtier.connector.logs import vllm_log_stream
 from kvtier.connector.metadata import KVTierMetadata
 from kvtier.connector.scheduler import SchedulerSide
 from kvtier.connector.stats import IDLE_SIDES, STATE_KEYS, SideState, merge_counts
@@ -87,7 +90,8 @@ def _connect(cfg: ConnectorConfig) -> ServiceClient:
     from kvtier.app.embedded import connect
 
     # service_url set: that service; empty: the engine's private service, restarted if it dies.
-    return connect(cfg.settings, cfg.engine_id, name="kvtier-client")
+    # An embedded service writes its lines where vLLM writes its own.
+    return connect(cfg.settings, cfg.engine_id, name="kvtier-client", log_stream=vllm_log_stream())
 
 
 def _first_answer(client: ServiceClient) -> str:
@@ -134,6 +138,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._refused(str(exc), _settings_of(vllm_config))
             return
         self._settings = cfg.settings
+        configure_logs(cfg.settings, self._side)
         if cfg.failure_policy != "recompute" and not is_worker:  # one warning per engine
             log.warning(
                 "kvtier: kv_load_failure_policy is %r; a failed load then fails the request. "
@@ -143,6 +148,7 @@ class KVTierConnector(KVConnectorBase_V1):
         try:
             self._client = _connect(cfg)
         except Exception as exc:  # best effort: run without the cache rather than not at all
+            faults.caught(exc, "starting the connector")
             self._stay_idle(f"cannot reach or start the kvtier service: {exc}")
             return
         self._wait_first_answer()
@@ -164,6 +170,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def _refused(self, reason: str, settings: KVTierSettings) -> None:
         """The engine is of a shape kvtier does not serve: idle, and a shared service hears of it."""
         self._settings = settings
+        configure_logs(settings, self._side)
         self._stay_idle(reason)
         if self._side == "scheduler" and settings.service_url:  # one report per engine
             self._client = ServiceClient(settings.service_url, settings.auth_token, name="kvtier-report")
@@ -224,8 +231,9 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0, False
         try:
             return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-        except Exception:
-            log.exception("kvtier lookup failed; treating it as a miss")
+        except Exception as exc:
+            faults.caught(exc, "get_num_new_matched_tokens")
+            log.warning("kvtier lookup failed; treating it as a miss: %s", exc)
             return 0, False
 
     def on_new_request(self, request: Any) -> None:
@@ -233,8 +241,9 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._sched is not None:
             try:
                 self._sched.on_new_request(request)
-            except Exception:
-                log.exception("kvtier prefetch failed; the lookup happens at admission instead")
+            except Exception as exc:
+                faults.caught(exc, "on_new_request")
+                log.warning("kvtier prefetch failed; the lookup happens at admission instead: %s", exc)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of the external tokens into the allocated blocks."""
@@ -277,6 +286,7 @@ class KVTierConnector(KVConnectorBase_V1):
         try:
             self._worker.register_kv_caches(kv_caches)
         except Exception as exc:
+            faults.caught(exc, "register_kv_caches")
             self._worker.shutdown()
             self._worker = None
             self._stay_idle(f"this worker's KV cache cannot be copied: {exc}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.app.client import Call, LookupReply, ServiceClient
+from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.planning import (
@@ -128,6 +129,7 @@ class SchedulerSide:
                 self.counters.lookups_deferred += 1
                 return None, False
             st.lookup = None
+            faults.caught(exc, "a lookup")
             # The service ends the replaced lease even when the lookup fails; a lookup that never
             # reached it did not, so end it here (ending a lease twice does nothing).
             self._end_lease(lookup.replaces)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
+from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.copy import BlockCopier, LayerLoads
 from kvtier.connector.copy_thread import CopyError
@@ -158,6 +159,7 @@ class WorkerSide:
             except (ServiceError, TimeoutError, OSError) as exc:
                 log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
             except Exception as exc:  # a failed mapping must not take vLLM down
+                faults.caught(exc, "mapping the arena")
                 log.warning("kvtier: cannot map the arena: %s", exc)
             else:
                 self._hello = None
@@ -240,6 +242,7 @@ class WorkerSide:
                 assert self.copier is not None
                 loads = self.copier.load_layers(chunks)
         except Exception as exc:  # nothing was issued: all of it is a miss, recomputed
+            faults.caught(exc, "issuing loads")
             log.warning("kvtier: load copy failed: %s", exc)
             planned = [(job, list(range(len(job.chunks)))) for job, _ in planned]
             chunks = []
@@ -299,6 +302,7 @@ class WorkerSide:
         try:
             self.copier.wait()
         except CopyError as exc:
+            faults.caught(exc, "a copy")
             log.warning("kvtier: %s", exc)
             return False
         return True
@@ -317,6 +321,7 @@ class WorkerSide:
         try:
             self.copier.load(view, first, block_ids)
         except Exception as exc:
+            faults.caught(exc, "a layer's load")
             log.warning("kvtier: load copy failed: %s", exc)
             return False
         return True
@@ -327,6 +332,7 @@ class WorkerSide:
         try:
             return self.copier.slot_view(buf[: self.copier.chunk_bytes])
         except Exception as exc:
+            faults.caught(exc, "finishing loads")
             log.warning("kvtier: load copy failed: %s", exc)
             return None
 
@@ -353,6 +359,7 @@ class WorkerSide:
         try:
             reply = pending.future.result(timeout=0)
         except Exception as exc:
+            faults.caught(exc, "a stage")
             log.debug("kvtier: stage of %s failed: %s", job.req_id, exc)
             self._fail_job(job, range(len(job.chunks)))
             self._release(job.lease_id)
@@ -389,7 +396,8 @@ class WorkerSide:
                 self.counters.save_skipped_chunks += len(job.hashes)
                 self._save_wait = SAVE_PROBE_S
                 continue
-            except Exception:
+            except Exception as exc:
+                faults.caught(exc, "a reserve")
                 self.counters.save_errors += 1
                 continue
             self._save_wait = SAVE_WAIT_S
@@ -403,6 +411,7 @@ class WorkerSide:
             try:
                 self.copier.save_batch(chunks, lambda error: self._saved(batch, started, error))
             except Exception as exc:  # the copy thread refused it (closed): nothing was copied
+                faults.caught(exc, "issuing saves")
                 self._saved(batch, started, exc)
         # Requests held from this step's metadata go once everything issued up to now has ended;
         # not in get_finished alone, which vLLM may call before wait_for_save (defer_finalize).
@@ -427,6 +436,7 @@ class WorkerSide:
             try:
                 view = self.copier.slot_view(buf[: self.copier.chunk_bytes])
             except Exception as exc:
+                faults.caught(exc, "planning a save")
                 log.warning("kvtier: save copy failed: %s", exc)
                 unused.append(slot)
                 continue
@@ -457,6 +467,7 @@ class WorkerSide:
                 counters.save_seconds += time.monotonic() - started
                 self._saves_done += 1
         if error is not None:
+            faults.caught(error, "a save copy")
             log.warning("kvtier: save copy failed: %s", error)
 
     def _abort_late(self, future: Call[ReserveReply]) -> None:

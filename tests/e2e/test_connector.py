@@ -150,8 +150,8 @@ def test_deleted_chunks_between_lookup_and_load_are_recomputed(
             sched = scheduler_connector(llm)._sched
             original = sched._start_lookup
 
-            def lookup_then_delete(st, hashes):
-                lookup = original(st, hashes)
+            def lookup_then_delete(st, hashes, **kwargs):
+                lookup = original(st, hashes, **kwargs)
                 lookup.future.result(10)
                 for path in sorted(disk.rglob("*.kvt"))[:2]:
                     path.unlink()
