@@ -23,6 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.test_compose import option
+
 REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy" / "kubernetes"
 SHAPES = ("node", "sidecar")
@@ -246,16 +248,6 @@ def quantity(text: str | int) -> int:
 def argv(container: Mapping[str, Any]) -> list[str]:
     """A container's command line: command followed by args."""
     return [str(a) for a in container.get("command", []) + container.get("args", [])]
-
-
-def option(args: list[str], name: str) -> str | None:
-    """The value of --name given as `--name value` or `--name=value`."""
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg[len(name) + 1 :]
-    return None
 
 
 def served_by(vllm: Box, objects: list[dict[str, Any]]) -> Box:
