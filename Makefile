@@ -17,6 +17,7 @@ PYTEST_ARGS ?=
 install: $(STAMP) redis-server
 
 $(STAMP): pyproject.toml
+	@echo "installing kvtier, vLLM's CPU build and their dependencies into $(VENV) (the first time: a few minutes)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SOURCE) -e ".[test,cpu,plot]"
