@@ -114,3 +114,52 @@ def build_model(path: str | Path, shape: ModelShape = TINY) -> Path:
     model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
     marker.write_text(json.dumps(asdict(shape)))
     return out
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def build_lora_adapter(path: str | Path, shape: ModelShape = TINY, seed: int = 1, rank: int = 8) -> Path:
+    """Write a random LoRA adapter for a model of this shape, in PEFT's layout (no peft needed).
+
+    PEFT starts lora_B at zero, which would leave the model unchanged; here both matrices are random
+    and large enough that an adapter changes the keys and values of every layer, and greedy outputs.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    q_width = shape.num_heads * shape.head_dim
+    kv_width = shape.num_kv_heads * shape.head_dim
+    # (input width, output width) of each target projection.
+    widths = {
+        "q_proj": (shape.hidden_size, q_width),
+        "k_proj": (shape.hidden_size, kv_width),
+        "v_proj": (shape.hidden_size, kv_width),
+        "o_proj": (q_width, shape.hidden_size),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(shape.num_layers):
+        for name in LORA_TARGETS:
+            d_in, d_out = widths[name]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * 0.2
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+        str(out / "adapter_model.safetensors"),
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(LORA_TARGETS),
+        "base_model_name_or_path": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.app.settings import KVTierSettings, SettingsError, load_settings
 from kvtier.connector.planning import Geometry
 from kvtier.storage.base import NamespaceSpec
-from kvtier.storage.keys import namespace_id
+from kvtier.storage.keys import model_files_digest, namespace_id
 
 log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
@@ -70,6 +74,63 @@ def _tp_pp_rank(role_is_worker: bool) -> tuple[int, int]:
         return 0, 0
 
 
+def _model_files(vllm_config: Any) -> Path | None:
+    """Where the model's files are: its local path, or the snapshot of its revision in the Hugging Face
+    cache (vLLM has downloaded it by the time a connector starts); None when neither is found."""
+    model = vllm_config.model_config
+    name = str(model.model)
+    if os.path.exists(name):
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+        from vllm import envs
+
+        if envs.VLLM_USE_MODELSCOPE:  # downloaded from ModelScope: the Hugging Face cache has no say
+            return None
+
+        download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+        snapshot = snapshot_download(
+            name,
+            revision=getattr(model, "revision", None),
+            cache_dir=download_dir,
+            local_files_only=True,
+            ignore_patterns="*",
+        )
+    except Exception:  # not a Hugging Face model in the cache: an object store URL, another hub
+        return None
+    return Path(snapshot) if os.path.isdir(snapshot) else None
+
+
+def model_identity(vllm_config: Any) -> str:
+    """The model's part of the namespace: name, revision, and a digest of what else decides its KV
+    (the content of its files, dtype, quantization, code revision, config overrides)."""
+    model = vllm_config.model_config
+    files = _model_files(vllm_config)
+    try:
+        files_digest = model_files_digest(files) if files is not None else None
+    except OSError as exc:
+        raise UnsupportedEngine(f"kvtier cannot read the model's files at {files}: {exc}") from None
+    if files_digest is None:
+        log.warning(
+            "kvtier found no local files of model %s; its chunks are told apart by name and revision "
+            "only, so weights replaced under the same name and revision would reuse older chunks",
+            model.model,
+        )
+    overrides = getattr(model, "hf_overrides", None)
+    if callable(overrides):
+        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+    facts = {
+        "files": files_digest,
+        "dtype": str(getattr(model, "dtype", "")),
+        "quantization": str(getattr(model, "quantization", None)),
+        "code_revision": str(getattr(model, "code_revision", None)),
+        "hf_overrides": overrides,
+    }
+    canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"), default=str)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return f"{model.model}@{getattr(model, 'revision', None) or ''}#{digest}"
+
+
 def _step_tokens(vllm_config: Any) -> int:
     speculative = getattr(vllm_config, "speculative_config", None)
     drafts = getattr(speculative, "num_speculative_tokens", None) if speculative is not None else 0
@@ -120,9 +181,8 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
     check_kv_spec(kv_spec)
     parallel = vllm_config.parallel_config
     tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
-    model = vllm_config.model_config
     spec = NamespaceSpec(
-        model=f"{model.model}@{getattr(model, 'revision', None) or ''}",
+        model=model_identity(vllm_config),
         kv_dtype=str(getattr(kv_spec, "dtype", vllm_config.cache_config.cache_dtype)),
         kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{type(kv_spec).__name__}",
         block_size=block_size,

@@ -1,16 +1,19 @@
 """Key derivation: namespace digests, chunk keys, and their renderings for Redis and disk.
 
 Everything here is stable across processes and restarts: digests come from a canonical encoding of the
-namespace fields, never from Python's ``hash()``.
+namespace fields or from file contents, never from Python's ``hash()`` or a file's mtime.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from itertools import repeat
+from pathlib import Path
 from typing import cast
 
 from kvtier.storage.base import ChunkKey, NamespaceSpec
@@ -19,6 +22,27 @@ NAMESPACE_HEX_CHARS = 16
 REDIS_PREFIX = "kvtier"
 DISK_SUFFIX = ".kvt"
 _new_tuple = tuple.__new__  # ChunkKey without its Python-level __new__
+
+# Files of a model directory that never change its KV for given token ids: tokenizers and chat
+# templates (they change the token ids, which the block hashes hold), generation defaults, docs.
+NOT_KV_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template*",
+    "*.md",
+    "LICENSE*",
+    ".*",
+)
+WHOLE_FILE_BYTES = 1 << 20  # smaller files are hashed whole
+TENSORS_PER_FILE = 1024  # safetensors: tensors sampled per file, evenly spread over the file
+TENSOR_SAMPLE = 512  # bytes read at the start and at the end of each sampled tensor
+SPREAD_PIECES = 64  # other large files: pieces read, evenly spaced from start to end
+SPREAD_PIECE = 4096
+SAFETENSORS_MAX_HEADER = 100 << 20  # the format's own limit
 
 
 def namespace_id(spec: NamespaceSpec) -> str:
@@ -80,3 +104,66 @@ def parse_disk_relpath(relpath: str) -> ChunkKey | None:
 def key_echo(key: ChunkKey) -> bytes:
     """The bytes a blob header stores to prove which key it belongs to."""
     return key.namespace.encode() + b":" + key.prefix_hash
+
+
+def model_files_digest(path: Path) -> str:
+    """Digest of the files that decide a model's KV (a directory's top level, or one file).
+
+    Cheap at any size: small files whole; a safetensors file's header and both ends of each tensor
+    (so replaced or retrained weights of the same shapes change it); other large files sampled. Raises
+    OSError when a file cannot be read.
+    """
+    digest = hashlib.sha256()
+    if path.is_dir():
+        entries = sorted(p for p in path.iterdir() if p.is_file() and not _not_kv_file(p.name))
+    else:
+        entries = [path]
+    for entry in entries:
+        with open(entry, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest.update(f"{entry.name}\0{size}\0".encode())
+            _digest_file(f.fileno(), size, entry.name, digest)
+    return digest.hexdigest()[:32]
+
+
+def _not_kv_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in NOT_KV_FILES)
+
+
+def _digest_file(fd: int, size: int, name: str, digest: hashlib._Hash) -> None:
+    if size <= WHOLE_FILE_BYTES:
+        digest.update(os.pread(fd, size, 0))
+        return
+    if name.endswith(".safetensors") and _digest_safetensors(fd, size, digest):
+        return
+    for i in range(SPREAD_PIECES):
+        digest.update(os.pread(fd, SPREAD_PIECE, (size - SPREAD_PIECE) * i // (SPREAD_PIECES - 1)))
+
+
+def _digest_safetensors(fd: int, size: int, digest: hashlib._Hash) -> bool:
+    """Header and both ends of (up to TENSORS_PER_FILE) tensors; False if the header is not one."""
+    header_len = int.from_bytes(os.pread(fd, 8, 0), "little")
+    if not 0 < header_len <= min(size - 8, SAFETENSORS_MAX_HEADER):
+        return False
+    header = os.pread(fd, header_len, 8)
+    base = 8 + header_len
+    try:
+        tensors = json.loads(header)
+        spans = sorted(
+            (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+            for k, v in tensors.items()
+            if k != "__metadata__"
+        )
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return False
+    if any(not 0 <= start <= end <= size - base for start, end in spans):
+        return False
+    digest.update(header)
+    step = max(1, len(spans) / TENSORS_PER_FILE)
+    for i in range(min(len(spans), TENSORS_PER_FILE)):
+        start, end = spans[int(i * step)]
+        head = min(TENSOR_SAMPLE, end - start)
+        tail = min(TENSOR_SAMPLE, end - start - head)
+        digest.update(os.pread(fd, head, base + start))
+        digest.update(os.pread(fd, tail, base + end - tail))
+    return True

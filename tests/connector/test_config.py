@@ -1,13 +1,19 @@
 """The engine shapes the connector serves: full attention and MLA in one KV cache group; the rest is
-refused at start (the connector then stays idle) with an error that names what was found."""
+refused at start (the connector then stays idle) with an error that names what was found. And the
+model's identity in the namespace: what changes it (weights, config, revision, dtype) and what not."""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -18,7 +24,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvtier.connector.config import UnsupportedEngine, build_config, check_kv_spec
+from kvtier.connector import config
+from kvtier.connector.config import UnsupportedEngine, build_config, check_kv_spec, model_identity
+from kvtier.storage import keys
+from kvtier.storage.keys import model_files_digest
 
 DENSE = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
@@ -65,3 +74,137 @@ def test_specs_whose_blocks_vllm_frees_mid_request_are_refused(spec: Any, named:
         check_kv_spec(spec)
     with pytest.raises(UnsupportedEngine, match="FullAttentionSpec, MLAAttentionSpec"):
         build_config(*_engine(spec), role_is_worker=False)
+
+
+# ------------------------------------------------------------------------ the model's identity
+def _namespace(model: str, download_dir: str | None = None, **model_fields: Any) -> str:
+    """The namespace build_config derives for the dense engine with this model (and these fields)."""
+    vllm_config, kv_cache_config = _engine(FullAttentionSpec(**DENSE))
+    vllm_config.model_config = SimpleNamespace(**{"model": model, "revision": None, **model_fields})
+    vllm_config.load_config = SimpleNamespace(download_dir=download_dir)
+    return build_config(vllm_config, kv_cache_config, role_is_worker=False).namespace
+
+
+def _write_model(path: Path, seed: int, tensors: int = 4) -> Path:
+    """A model directory: config, tokenizer files, and more than WHOLE_FILE_BYTES of safetensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {f"layer{i}.weight": torch.randn(256, 256, generator=generator) for i in range(tensors)}
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text('{"hidden_size": 256}')
+    (path / "tokenizer.json").write_text('{"vocab": 1}')
+    (path / "generation_config.json").write_text('{"temperature": 1.0}')
+    return path
+
+
+def test_weights_replaced_in_place_change_the_namespace(tmp_path: Path) -> None:
+    model = _write_model(tmp_path / "m", seed=1)
+    weights = model / "model.safetensors"
+    before, stat = _namespace(str(model)), weights.stat()
+    _write_model(model, seed=2)  # same path, size, header: only the values differ
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size and weights.stat().st_mtime_ns == stat.st_mtime_ns
+    assert _namespace(str(model)) != before
+
+
+def test_the_same_files_copied_with_other_mtimes_keep_their_digest(tmp_path: Path) -> None:
+    model = _write_model(tmp_path / "m", seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    os.utime(copy / "model.safetensors", ns=(1, 1))
+    assert model_files_digest(copy) == model_files_digest(model)
+    assert _namespace(str(copy)) != _namespace(str(model)), "the path is still part of the identity"
+
+
+def test_tokenizer_and_generation_files_leave_the_namespace_but_config_does_not(tmp_path: Path) -> None:
+    model = _write_model(tmp_path / "m", seed=1)
+    before = _namespace(str(model))
+    (model / "tokenizer.json").write_text('{"vocab": 2}')
+    (model / "generation_config.json").write_text('{"temperature": 0.5}')
+    (model / "README.md").write_text("new model card")
+    assert _namespace(str(model)) == before
+    (model / "config.json").write_text('{"hidden_size": 256, "rope_theta": 1e6}')
+    assert _namespace(str(model)) != before
+
+
+def test_a_changed_tensor_among_more_than_the_sampled_ones_changes_the_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keys, "TENSORS_PER_FILE", 2)  # samples tensors 0 and 2 of 4
+    model = _write_model(tmp_path / "m", seed=1)
+    before = model_files_digest(model)
+    weights = load_file(str(model / "model.safetensors"))
+    weights["layer2.weight"] = weights["layer2.weight"] + 1
+    save_file(weights, str(model / "model.safetensors"))
+    assert model_files_digest(model) != before
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.safetensors"])
+def test_other_large_weight_files_are_sampled_from_start_to_end(tmp_path: Path, name: str) -> None:
+    weights = tmp_path / "m" / name  # a .safetensors name on bytes with no header: sampled alike
+    weights.parent.mkdir()
+    data = bytearray(os.urandom(3 << 20))
+    weights.write_bytes(data)
+    before = model_files_digest(weights.parent)
+    data[-1] ^= 0xFF
+    weights.write_bytes(data)
+    assert model_files_digest(weights.parent) != before
+    assert model_files_digest(weights) == model_files_digest(weights.parent), "a file names itself"
+
+
+@pytest.mark.parametrize(
+    "field", [{"dtype": "float16"}, {"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 1e6}}]
+)
+def test_dtype_quantization_and_config_overrides_change_the_namespace(
+    tmp_path: Path, field: dict[str, Any]
+) -> None:
+    model = str(_write_model(tmp_path / "m", seed=1))
+    assert _namespace(model, **field) != _namespace(model)
+
+
+def _hub_cache(root: Path) -> Path:
+    """A Hugging Face cache holding kvtier/tiny at two commits: branch main, and branch v2."""
+    repo = root / "models--kvtier--tiny"
+    for seed, branch in ((1, "main"), (2, "v2")):
+        commit = f"{seed:040x}"
+        _write_model(repo / "snapshots" / commit, seed=seed)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / branch).write_text(commit)
+    return root
+
+
+def test_revisions_of_a_hub_model_are_told_apart_by_their_files(tmp_path: Path) -> None:
+    cache = str(_hub_cache(tmp_path / "hub"))
+    main = _namespace("kvtier/tiny", cache, revision="main")
+    assert _namespace("kvtier/tiny", cache, revision="v2") != main
+    assert _namespace("kvtier/tiny", cache, revision="main") == main
+    # The files of main, named by their commit: the same digest, another revision string.
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="kvtier/tiny", revision=f"{1:040x}"),
+        load_config=SimpleNamespace(download_dir=cache),
+    )
+    by_commit = model_identity(vllm_config)
+    vllm_config.model_config.revision = "main"
+    assert by_commit.split("#")[1] == model_identity(vllm_config).split("#")[1]
+
+
+def test_a_model_without_local_files_is_named_by_name_and_revision(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    empty_cache = str(tmp_path / "hub")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtier"):
+        first = _namespace("s3://bucket/model", empty_cache)
+    assert "found no local files of model s3://bucket/model" in caplog.text
+    assert _namespace("s3://bucket/model", empty_cache, revision="v2") != first
+    assert _namespace("s3://bucket/model", empty_cache) == first
+
+
+def test_unreadable_model_files_leave_the_engine_unserved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreadable(path: Path) -> str:
+        raise PermissionError(13, "Permission denied", str(path / "model.safetensors"))
+
+    monkeypatch.setattr(config, "model_files_digest", unreadable)
+    with pytest.raises(UnsupportedEngine, match=r"cannot read the model's files at .*Permission denied"):
+        _namespace(str(_write_model(tmp_path / "m", seed=1)))
