@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.harness import (
+    Outputs,
     generate,
     generate_each,
     kv_transfer_config,
@@ -16,38 +17,47 @@ from kvtier.bench.harness import (
     preemptions,
     running_engine,
 )
-from kvtier.bench.introspect import scheduler_connector, scheduler_totals, worker_totals
+from kvtier.bench.introspect import scheduler_connector, scheduler_totals, worker_connector, worker_totals
 from kvtier.storage.base import Tier
 from tests.e2e.oracle import (
     PREEMPTION_ENGINE,
     PREEMPTION_MAX_TOKENS,
     PREEMPTION_PROMPT_LEN,
+    Probe,
     assert_same_outputs,
+    delete_after_lookup,
+    expected_external,
+    forget_local_cache,
+    generate_each_cold,
+    wait_written,
 )
 from tests.e2e.service import running_service
 
 pytestmark = pytest.mark.e2e
 
-# Local prefix caching off: every reuse must come through kvtier, so these tests see its loads.
-NO_LOCAL_CACHE = dict(enable_prefix_caching=False)
+# vLLM's defaults, its own prefix cache on. A prompt that repeats an earlier one is served by that
+# cache, so the tests empty it first (forget_local_cache, as memory pressure or a restart would):
+# kvtier then serves the reuse.
 CHUNK = 64
 
 SHARED = make_prompt(100, 300)
 FOLLOW_UPS = [SHARED + make_prompt(101, 40), SHARED + make_prompt(102, 25)]
+# The second follow-up shares SHARED's 4 full chunks with the first, which stored them.
+REUSED = expected_external(4, 0, len(FOLLOW_UPS[1]), CHUNK)
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: str) -> dict[str, object]:
+def baseline(tiny_model: str) -> dict[str, Outputs]:
     """Greedy outputs of the same engine without any connector."""
-    with running_engine(tiny_model, **NO_LOCAL_CACHE) as llm:
-        return {"follow_ups": generate_each(llm, FOLLOW_UPS, 12)}
+    with running_engine(tiny_model) as llm:
+        return {"follow_ups": generate_each_cold(llm, FOLLOW_UPS, 12)}
 
 
 def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, tmp_path: Path) -> None:
     with running_service(tmp_path / "svc") as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
-        with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
-            got = generate_each(llm, FOLLOW_UPS, 12)
+        with running_engine(tiny_model, cfg) as llm:
+            got = generate_each_cold(llm, FOLLOW_UPS, 12)
             sched = scheduler_totals(llm)
             work = worker_totals()
             # vLLM's own metrics carry kvtier's counters.
@@ -60,14 +70,15 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
         hits = svc.hit_tokens()
     assert_same_outputs(baseline["follow_ups"], got)
     # The second prompt shares 300 tokens: 4 full chunks of 64 were stored by the first and loaded.
-    assert hits["cpu"] >= 4 * CHUNK
-    assert sched["external_tokens"] >= 4 * CHUNK
-    assert work["loaded_tokens"] >= 4 * CHUNK
+    assert REUSED == 4 * CHUNK
+    assert hits == {"cpu": REUSED, "disk": 0, "redis": 0}
+    assert sched["external_tokens"] == REUSED and sched["hit_tokens_cpu"] == REUSED
+    assert work["loaded_tokens"] == REUSED
     assert work["failed_load_blocks"] == 0
     assert work["unwaited_layer_loads"] == 0, "vLLM waited for every layer's loads before its attention"
     assert work["full_graph_loads"] == 0, "an eager forward on the CPU: loads overlap it layer by layer"
-    assert prom_loaded == work["loaded_tokens"]
-    assert prom_tiers["cpu"] >= 4 * CHUNK and prom_tiers["disk"] == 0
+    assert prom_loaded == REUSED
+    assert prom_tiers["cpu"] == REUSED and prom_tiers["disk"] == 0
     # kvtier served this engine: its scheduler and worker said so to vLLM's metrics and the service.
     assert prom_active == 1
     assert sorted((e["role"], e["active"]) for e in engines) == [("scheduler", True), ("worker", True)]
@@ -78,55 +89,68 @@ def test_corrupted_staged_bytes_change_the_output(tiny_model: str, baseline, tmp
     """Negative control: loads are really used, so garbage in the arena must show in the output."""
     with running_service(tmp_path / "svc") as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
-        with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+        with running_engine(tiny_model, cfg) as llm:
             first = generate(llm, FOLLOW_UPS[:1], 12)
             (arena,) = svc.arena_files()
             with open(arena, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
                 m[:] = bytes([0x5A]) * len(m)  # every stored chunk becomes garbage
+            forget_local_cache(llm)  # else vLLM's own cache serves the shared prefix
             second = generate(llm, FOLLOW_UPS[1:], 12)
-        assert svc.hit_tokens()["cpu"] >= 4 * CHUNK
-    assert_same_outputs(baseline["follow_ups"].__class__(baseline["follow_ups"].tokens[:1]), first)
+        assert svc.hit_tokens()["cpu"] == REUSED
+    assert_same_outputs(Outputs(baseline["follow_ups"].tokens[:1]), first)
     assert second.tokens[0] != baseline["follow_ups"].tokens[1], "corrupt KV must change the output"
 
 
 def test_preempted_request_reloads_its_chunks(tiny_model: str, tmp_path: Path) -> None:
+    """With vLLM's prefix cache on, a preempted request's blocks stay cached until the other request
+    needs them: on resuming, vLLM's hit covers those left and kvtier reloads the rest."""
+    block = 32
     prompts = [make_prompt(11, PREEMPTION_PROMPT_LEN), make_prompt(12, PREEMPTION_PROMPT_LEN)]
-    with running_engine(tiny_model, **PREEMPTION_ENGINE, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, **PREEMPTION_ENGINE) as llm:
         expected = generate_each(llm, prompts, PREEMPTION_MAX_TOKENS)
     with running_service(tmp_path / "svc") as svc:
-        cfg = kv_transfer_config(service_url=svc.url, chunk_size=32)
-        with running_engine(tiny_model, cfg, **PREEMPTION_ENGINE, **NO_LOCAL_CACHE) as llm:
+        cfg = kv_transfer_config(service_url=svc.url, chunk_size=block)
+        with running_engine(tiny_model, cfg, **PREEMPTION_ENGINE) as llm:
+            probe = Probe(scheduler_connector(llm), worker_connector())
             got = generate(llm, prompts, PREEMPTION_MAX_TOKENS)
-            assert preemptions(llm) >= 1
+            preempted = preemptions(llm)
             sched = scheduler_totals(llm)
             work = worker_totals()
     assert_same_outputs(expected, got)
-    assert sched["readmissions"] >= 1, "the resumed request is counted as a re-admission"
-    assert sched["external_tokens"] >= 32, "the resumed request reloads what it saved"
+    admissions = probe.admissions()
+    resumed = [a for a in admissions if a.preemptions > 0]
+    assert preempted >= 1 and len(resumed) == preempted
+    assert sched["readmissions"] == preempted, "each resumed request is counted as a re-admission"
+    assert [a.external for a in admissions if a.preemptions == 0] == [0, 0], "nothing stored yet"
+    for a in resumed:
+        # Every chunk it computed was saved, and what vLLM's hit lacks up to the last whole block
+        # before its last token comes from kvtier.
+        assert a.hit_chunks == (a.num_tokens - 1) // block
+        assert a.external == a.expected(block) == (a.num_tokens - 1) // block * block - a.local
+        assert a.external > 0, "vLLM dropped some of the preempted request's blocks"
     # Every external token the scheduler promised was loaded, none failed, every lookup answered.
-    assert work["loaded_tokens"] == sched["external_tokens"]
+    reloaded = sum(a.external for a in resumed)
+    assert sched["external_tokens"] == reloaded == work["loaded_tokens"]
     assert work["failed_load_blocks"] == 0 and sched["lookup_errors"] == 0
 
 
 @pytest.mark.parametrize("save_decode", [True, False])
 def test_decode_saving(tiny_model: str, tmp_path: Path, save_decode: bool) -> None:
     prompt = make_prompt(31, 100)
-    with running_engine(tiny_model, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model) as llm:
         answer = generate(llm, [prompt], 100).tokens[0]
         follow = prompt + answer + make_prompt(32, 10)
-        expected = generate(llm, [follow], 8)
+        expected = generate_each_cold(llm, [follow], 8)
     with running_service(tmp_path / "svc") as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK, save_decode=save_decode)
-        with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+        with running_engine(tiny_model, cfg) as llm:
             assert generate(llm, [prompt], 100).tokens[0] == answer
-            got = generate(llm, [follow], 8)
+            got = generate_each_cold(llm, [follow], 8)  # else vLLM's cache serves the prompt and answer
             sched = scheduler_totals(llm)
     assert_same_outputs(expected, got)
-    # 100 prompt tokens hold one full 64-token chunk; the 200 tokens of prompt + answer hold three.
-    if save_decode:
-        assert sched["external_tokens"] >= 3 * CHUNK
-    else:
-        assert sched["external_tokens"] == CHUNK
+    # 100 prompt tokens hold one full 64-token chunk; the 199 tokens of prompt + answer with KV hold three.
+    stored = 3 if save_decode else 1
+    assert sched["external_tokens"] == expected_external(stored, 0, len(follow), CHUNK) == stored * CHUNK
 
 
 def test_deleted_chunks_between_lookup_and_load_are_recomputed(
@@ -135,30 +159,21 @@ def test_deleted_chunks_between_lookup_and_load_are_recomputed(
     disk = tmp_path / "disk"
     with running_service(tmp_path / "svc", disk_path=disk) as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
-        with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+        with running_engine(tiny_model, cfg) as llm:
             first = generate(llm, FOLLOW_UPS[:1], 12)
-            svc.client.close()  # keep the control connection out of the way of the drain
-            import time
-
-            deadline = time.monotonic() + 10
-            while len(list(disk.rglob("*.kvt"))) < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            svc.__post_init__()
+            wait_written(svc, "disk", 5)  # 340 prompt tokens + 11 decoded with KV: 5 chunks
             svc.clear(Tier.CPU)
-            # Lower-tier hits load asynchronously: the stage happens a step after the lookup.
-            # Remove two chunk files behind the service's back in between, by hooking the lookup.
-            sched = scheduler_connector(llm)._sched
-            original = sched._start_lookup
-
-            def lookup_then_delete(st, hashes, **kwargs):
-                lookup = original(st, hashes, **kwargs)
-                lookup.future.result(10)
-                for path in sorted(disk.rglob("*.kvt"))[:2]:
-                    path.unlink()
-                return lookup
-
-            sched._start_lookup = lookup_then_delete
+            forget_local_cache(llm)
+            probe = Probe(scheduler_connector(llm), worker_connector())
+            # Lower-tier hits load asynchronously: the stage happens a step after the lookup. Remove
+            # the files of chunks 1 and 3 behind the service's back in between.
+            hit = delete_after_lookup(scheduler_connector(llm), disk, 5, [1, 3])
             second = generate(llm, FOLLOW_UPS[1:], 12)
             work = worker_totals()
-    assert_same_outputs(baseline["follow_ups"], first.__class__(first.tokens + second.tokens))
-    assert work["failed_load_blocks"] > 0, "deleted chunks are reported as failed blocks"
+    assert_same_outputs(baseline["follow_ups"], Outputs(first.tokens + second.tokens))
+    (req_id,) = hit
+    doomed = probe.blocks_of(req_id, [1, 3])
+    assert len(doomed) == 4, "two chunks of two blocks each were planned for loading"
+    assert probe.failed_blocks == doomed, "exactly the deleted chunks' blocks are reported failed"
+    assert work["failed_load_chunks"] == 2 and work["failed_load_blocks"] == 4
+    assert work["loaded_tokens"] == REUSED - 2 * CHUNK
