@@ -3,8 +3,13 @@
 Every test here fails if it leaves a kvtier process, socket or arena file behind (``leak_check``,
 autouse for this package). Prompts come from ``prompt(group, j)``: a 200-token prefix shared by every
 prompt of a group (three full 64-token chunks) and a tail of its own, so a later prompt of a group can
-load the prefix from kvtier. Each test uses its own groups, so the oracle (the same engine without a
-connector, vLLM's prefix cache off) is computed once per session for all of them.
+load the prefix from kvtier. Each test uses its own groups, so the oracle (the same engine, vLLM's
+defaults, without a connector) is computed once per session for all of them.
+
+vLLM's own prefix cache is on, as by default. A later prompt of a group would find the prefix there
+and never ask kvtier, so a test empties vLLM's cache (``forget_local``) before each batch whose
+prefixes must come from kvtier or be recomputed; prompts of different groups share no block, so
+within a batch vLLM's cache serves nothing, which each test checks with ``local_hits``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import pytest
 
 from kvtier.app.embedded import probe
-from kvtier.bench.harness import Outputs, generate, make_prompt, running_engine
+from kvtier.bench.harness import Outputs, generate, make_prompt, metric, running_engine
 from kvtier.bench.introspect import scheduler_connector, worker_connector
 from kvtier.bench.models import TINY, build_model
 from kvtier.connector.stats import merge_counts
@@ -35,11 +40,11 @@ CHUNK = 64
 MAX_TOKENS = 12
 PREFIX_LEN = 200  # three full chunks of 64; the prompt's tail keeps at least one token to compute
 PREFIX_TOKENS = (PREFIX_LEN // CHUNK) * CHUNK
-NO_LOCAL_CACHE = dict(enable_prefix_caching=False)
 GROUPS = 48
 TAILS = 5
 SHORTS = 4
 SHORT_MAX_TOKENS = 40  # a 40-token prompt plus 40 generated tokens fills one chunk while decoding
+KICK = make_prompt(8900, 8)  # shorter than a block: vLLM caches none of it, kvtier never looks it up
 
 
 def prompt(group: int, j: int) -> list[int]:
@@ -80,11 +85,47 @@ def oracle(tiny_model: str) -> Oracle:
     outputs: dict[tuple[tuple[int, ...], int], list[int]] = {}
     jobs = [([prompt(g, j) for g in range(GROUPS) for j in range(TAILS)], MAX_TOKENS)]
     jobs.append((short_prompts(), SHORT_MAX_TOKENS))
-    with running_engine(tiny_model, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model) as llm:
         for prompts, max_tokens in jobs:
             out = generate(llm, prompts, max_tokens)
             outputs.update({(tuple(p), max_tokens): t for p, t in zip(prompts, out.tokens, strict=True)})
     return Oracle(outputs)
+
+
+# ----------------------------------------------------------------------------- vLLM's own cache
+def forget_local(llm: Any, timeout: float = 30) -> None:
+    """Empty vLLM's own prefix cache, so the next batch reuses a prefix only through kvtier.
+
+    vLLM refuses while any block is in use, and kvtier holds a finished request's blocks until its
+    saves end, which vLLM hears of on a later engine step: a one-token request steps the engine until
+    vLLM agrees (which also proves that every block came back).
+    """
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"vLLM kept blocks in use for {timeout:.0f}s: its prefix cache cannot be reset"
+            )
+        generate(llm, [KICK], 1)
+
+
+def local_hits(llm: Any) -> int:
+    """Prompt tokens vLLM's own prefix cache has served in this engine (first admissions)."""
+    return int(metric(llm, "vllm:prefix_cache_hits"))
+
+
+def record_lookups(llm: Any) -> list[list[bytes]]:
+    """From now on, the chunk hashes of every lookup the engine's connector starts, in order."""
+    side = scheduler_connector(llm)._sched
+    start = side._start_lookup
+    seen: list[list[bytes]] = []
+
+    def recording(st: Any, hashes: list[bytes], hold: bool = False) -> Any:
+        seen.append(list(hashes))
+        return start(st, hashes, hold=hold)
+
+    side._start_lookup = recording
+    return seen
 
 
 # ----------------------------------------------------------------------------------- counters

@@ -7,6 +7,9 @@ kernel answers every create with EROFS, root or not; mounted with a tiny ``size`
 once full. The mount lives and dies with the service process, so nothing is left mounted even if a
 test is killed. Tampering (files deleted, truncated, bit-flipped behind the service's back) happens on
 an ordinary directory.
+
+vLLM's prefix cache is on: ``forget_local`` empties it before every batch that must look in kvtier,
+so each of those batches asks kvtier for all three prefix chunks of every prompt.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from tests.e2e.oracle import assert_same_outputs
 from tests.reliability.conftest import (
     CHUNK,
     MAX_TOKENS,
-    NO_LOCAL_CACHE,
+    PREFIX_TOKENS,
     Oracle,
     batch,
     clear_cpu,
     delta,
+    forget_local,
+    local_hits,
+    record_lookups,
     sched_counts,
     wait_quiet,
     wait_stored,
@@ -74,20 +80,25 @@ def test_read_only_disk_is_counted_and_never_served(
     sp = services(tmp_path / "svc", tmpfs_wrap(disk, "size=1m,ro"), disk_path=disk)
     svc = sp.start()
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
-    with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, cfg) as llm:
         assert_same_outputs(oracle(batch(groups, 0)), generate(llm, batch(groups, 0), MAX_TOKENS))
         stored = wait_quiet(svc)
         clear_cpu(svc)
-        s0 = sched_counts(llm)
+        forget_local(llm)
+        s0, local0, hits0 = sched_counts(llm), local_hits(llm), svc.hit_tokens()
         assert_same_outputs(oracle(batch(groups, 1)), generate_each(llm, batch(groups, 1), MAX_TOKENS))
         misses = delta(sched_counts(llm), s0)
+        local = local_hits(llm) - local0
         after = svc.stats()
-    assert stored["tiers"]["cpu"]["stores"] >= len(groups) * CHUNKS_PER_PROMPT
+    assert stored["tiers"]["cpu"]["stores"] == len(groups) * CHUNKS_PER_PROMPT, stored["tiers"]["cpu"]
     disk_stats = _disk(after)
     assert disk_stats["stores"] == 0 and disk_stats["chunks"] == 0, disk_stats
     assert disk_stats["errors_by_kind"].get("erofs", 0) >= len(groups) * CHUNKS_PER_PROMPT, disk_stats
-    assert after["hit_tokens"]["disk"] == 0
-    assert misses["external_tokens"] == 0 and misses["lookup_errors"] == 0, misses
+    # Every prompt asked kvtier (vLLM's own cache served nothing) and found nothing anywhere.
+    assert local == 0
+    assert misses["lookup_count"] == len(groups) and misses["lookup_errors"] == 0, misses
+    assert misses["external_tokens"] == 0, misses
+    assert delta(after["hit_tokens"], hits0) == {"cpu": 0, "disk": 0, "redis": 0}
 
 
 def test_full_disk_is_counted_and_what_fit_is_served(
@@ -101,24 +112,40 @@ def test_full_disk_is_counted_and_what_fit_is_served(
     svc = sp.start()
     seen_by_service = Path(f"/proc/{sp.pid}/root") / disk.relative_to("/")
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
-    with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, cfg) as llm:
         assert_same_outputs(oracle(batch(groups, 0)), generate(llm, batch(groups, 0), MAX_TOKENS))
         wait_quiet(svc)
         full = _disk(svc.stats())
         files = [p for p in seen_by_service.rglob("*") if p.is_file()]
         clear_cpu(svc)
-        s0, w0, hits0 = sched_counts(llm), worker_counts(), svc.hit_tokens()
+        forget_local(llm)
+        s0, w0, hits0, local0 = sched_counts(llm), worker_counts(), svc.hit_tokens(), local_hits(llm)
+        looked_up = record_lookups(llm)
         assert_same_outputs(oracle(batch(groups, 1)), generate_each(llm, batch(groups, 1), MAX_TOKENS))
         loads = delta(worker_counts(), w0)
-        hits = svc.hit_tokens()["disk"] - hits0["disk"]
+        hits = delta(svc.hit_tokens(), hits0)
         lookups = delta(sched_counts(llm), s0)
+        local = local_hits(llm) - local0
     assert full["errors_by_kind"].get("enospc", 0) >= 1, full
     assert 1 <= full["stores"] < len(groups) * CHUNKS_PER_PROMPT, full
     # A failed write leaves no partial or temporary file: exactly the chunks stored are on disk.
     assert not [p for p in files if p.name.startswith(TEMP_PREFIX)], files
     assert len(files) == full["chunks"] == full["stores"], (files, full)
-    assert hits >= CHUNK, "the chunks that fit are served from disk"
-    assert loads["failed_load_chunks"] == 0 and loads["loaded_tokens"] == lookups["external_tokens"]
+    # A file is named by its chunk's hash: each prompt loads the chunks of its prefix on disk, up to
+    # the first one that did not fit; vLLM's own cache serves nothing.
+    on_disk = {p.stem for p in files}
+    assert len(looked_up) == len(groups), looked_up
+    served = sum(_leading(hashes, on_disk) for hashes in looked_up) * CHUNK
+    assert served >= CHUNK, f"none of the chunks that fit is the first of its prefix: {on_disk}"
+    assert local == 0
+    assert hits == {"cpu": 0, "disk": served, "redis": 0}, hits
+    assert lookups["external_tokens"] == served, lookups
+    assert loads["loaded_tokens"] == served and loads["failed_load_chunks"] == 0, loads
+
+
+def _leading(hashes: list[bytes], stored: set[str]) -> int:
+    """How many of a prompt's chunks, from its first, are stored."""
+    return next((i for i, h in enumerate(hashes) if h.hex() not in stored), len(hashes))
 
 
 def _flip(path: Path, offset_from_end: int) -> None:
@@ -136,7 +163,7 @@ def test_tampered_chunk_files_are_counted_never_served(
     svc = sp.start()
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
     total = len(groups) * CHUNKS_PER_PROMPT
-    with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, cfg) as llm:
         assert_same_outputs(oracle(batch(groups, 0)), generate(llm, batch(groups, 0), MAX_TOKENS))
         wait_stored(svc, "disk", total)
         clear_cpu(svc)
@@ -153,20 +180,28 @@ def test_tampered_chunk_files_are_counted_never_served(
             _flip(path, path.stat().st_size)  # the first byte (magic)
         bad = {p: p.read_bytes() for p in [*truncated, *flipped, *header]}
         intact = total - len(deleted) - len(truncated) - len(flipped) - len(header)
-        before, w0 = svc.stats(), worker_counts()
+        forget_local(llm)
+        before, w0, s0, local0 = svc.stats(), worker_counts(), sched_counts(llm), local_hits(llm)
         assert_same_outputs(oracle(batch(groups, 1)), generate_each(llm, batch(groups, 1), MAX_TOKENS))
-        loads = delta(worker_counts(), w0)
+        loads, lookups = delta(worker_counts(), w0), delta(sched_counts(llm), s0)
         after = svc.stats()
         kept_bad = [p for p, data in bad.items() if p.exists() and p.read_bytes() == data]
         # The store heals: the next round re-saves what it had to recompute, the one after loads it all.
         wait_quiet(svc)
         clear_cpu(svc)
+        forget_local(llm)
         assert_same_outputs(oracle(batch(groups, 2)), generate_each(llm, batch(groups, 2), MAX_TOKENS))
         wait_quiet(svc)
         clear_cpu(svc)
-        healed0 = svc.stats()
+        forget_local(llm)
+        healed0, w1, s1 = svc.stats(), worker_counts(), sched_counts(llm)
         assert_same_outputs(oracle(batch(groups, 3)), generate_each(llm, batch(groups, 3), MAX_TOKENS))
-        healed = svc.stats()
+        healed, heal_loads, heal_lookups = (
+            svc.stats(),
+            delta(worker_counts(), w1),
+            delta(sched_counts(llm), s1),
+        )
+        local = local_hits(llm) - local0
     d0, d1 = _disk(before), _disk(after)
     errors = {k: v - d0["errors_by_kind"].get(k, 0) for k, v in d1["errors_by_kind"].items()}
     assert errors.get("missing", 0) == len(deleted), errors
@@ -178,5 +213,10 @@ def test_tampered_chunk_files_are_counted_never_served(
     assert loads["failed_load_blocks"] == bad_chunks * (CHUNK // 32), loads
     assert loads["loaded_chunks"] == intact, loads
     assert not kept_bad, "a corrupt file stays on disk after its read failed"
+    # The disk index still listed every file: each prompt was promised its whole prefix.
+    assert lookups["external_tokens"] == len(groups) * PREFIX_TOKENS, lookups
     h0, h1 = _disk(healed0), _disk(healed)
     assert h1["hits"] - h0["hits"] == total and h1["errors"] == h0["errors"], (h0, h1)
+    assert heal_lookups["external_tokens"] == len(groups) * PREFIX_TOKENS, heal_lookups
+    assert heal_loads["loaded_chunks"] == total and heal_loads["failed_load_chunks"] == 0, heal_loads
+    assert local == 0, "vLLM's own cache served part of a batch that had to come from kvtier"

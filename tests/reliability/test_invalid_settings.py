@@ -20,7 +20,6 @@ import pytest
 
 from kvtier.app.settings import SettingsError
 from kvtier.bench.harness import kv_transfer_config, running_engine
-from tests.reliability.conftest import NO_LOCAL_CACHE
 from tests.reliability.openai_load import REPO, kvtier_files, service_pids
 
 # A bad value for every setting whose domain is narrower than "any string", as the environment gives
@@ -203,7 +202,7 @@ def test_engine_with_invalid_extra_config_does_not_start(
     tiny_model: str, tmp_path: Path, extra: dict, key: str
 ) -> None:
     cfg = kv_transfer_config(shm_dir=str(tmp_path), **extra)
-    with pytest.raises(SettingsError) as info, running_engine(tiny_model, cfg, **NO_LOCAL_CACHE):
+    with pytest.raises(SettingsError) as info, running_engine(tiny_model, cfg):
         pass
     assert f"kv_connector_extra_config key '{key}'" in str(info.value), info.value
     assert not service_pids(os.getpid()), "a kvtier service was started"
@@ -218,7 +217,7 @@ def test_engine_refuses_a_chunk_size_that_is_not_a_multiple_of_the_block_size(
     cfg = kv_transfer_config(shm_dir=str(tmp_path), chunk_size=48)
     started = False
     try:
-        with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE):
+        with running_engine(tiny_model, cfg):
             started = True
     except Exception as exc:
         assert "chunk_size" in str(exc), exc

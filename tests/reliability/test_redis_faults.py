@@ -1,7 +1,9 @@
 """Redis dies, comes back, or slows down under a running vLLM engine: outputs never change.
 
 The service has only a Redis lower tier and a small CPU tier, which the tests empty before each batch
-that should look in Redis, so every lookup of a stored prefix goes to Redis.
+that should look in Redis, so every lookup of a stored prefix goes to Redis. vLLM's prefix cache is
+on; ``forget_local`` empties it before those batches, so each of their prompts asks kvtier for all
+three prefix chunks.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from tests.e2e.oracle import assert_same_outputs
 from tests.reliability.conftest import (
     CHUNK,
     MAX_TOKENS,
-    NO_LOCAL_CACHE,
     PREFIX_TOKENS,
     Oracle,
     batch,
     clear_cpu,
     delta,
+    forget_local,
+    local_hits,
     redis_ready,
     sched_counts,
     wait_for,
@@ -59,17 +62,19 @@ def test_redis_killed_mid_workload_then_restarted(
     svc = sp.start()
     redis_ready(svc)
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
-    with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, cfg) as llm:
         # Redis up: store group A, then load it back from Redis alone.
         assert_same_outputs(oracle(batch(a, 0)), generate(llm, batch(a, 0), MAX_TOKENS))
         wait_stored(svc, "redis", len(a) * 3)
         clear_cpu(svc)
-        before = svc.hit_tokens()
+        forget_local(llm)
+        local0, before, s0 = local_hits(llm), svc.hit_tokens(), sched_counts(llm)
         assert_same_outputs(oracle(batch(a, 1)), generate_each(llm, batch(a, 1), MAX_TOKENS))
-        assert svc.hit_tokens()["redis"] - before["redis"] >= len(a) * PREFIX_TOKENS
+        up_hits, up_s = delta(svc.hit_tokens(), before), delta(sched_counts(llm), s0)
 
         # kill -9 Redis while a workload runs: after the second lookup of this batch is served.
         clear_cpu(svc)
+        forget_local(llm)
         lookups0 = svc.stats()["lookups"]
         probe = sp.svc.client  # type: ignore[union-attr]
         killed = threading.Event()
@@ -92,6 +97,7 @@ def test_redis_killed_mid_workload_then_restarted(
 
         # Redis down: every lookup is answered (a miss), none fails, nothing waits on Redis.
         clear_cpu(svc)
+        forget_local(llm)
         s0, w0 = sched_counts(llm), worker_counts()
         assert_same_outputs(oracle(batch(a, 3)), generate_each(llm, batch(a, 3), MAX_TOKENS))
         down_s, down_w = delta(sched_counts(llm), s0), delta(worker_counts(), w0)
@@ -105,18 +111,26 @@ def test_redis_killed_mid_workload_then_restarted(
         assert_same_outputs(oracle(batch(b, 0)), generate(llm, batch(b, 0), MAX_TOKENS))
         wait_stored(svc, "redis", stores0 + len(b) * 3)
         clear_cpu(svc)
-        before = svc.hit_tokens()
+        forget_local(llm)
+        before, s1 = svc.hit_tokens(), sched_counts(llm)
         assert_same_outputs(oracle(batch(b, 1)), generate_each(llm, batch(b, 1), MAX_TOKENS))
-        after = svc.stats()
+        after, back_s = svc.stats(), delta(sched_counts(llm), s1)
+        local = local_hits(llm) - local0
+    # Redis up: every prefix came from Redis alone, none from vLLM's own cache (emptied before each batch).
+    assert up_hits == {"cpu": 0, "disk": 0, "redis": len(a) * PREFIX_TOKENS}, up_hits
+    assert up_s["external_tokens"] == len(a) * PREFIX_TOKENS, up_s
+    assert local == 0
     assert down_s["admissions"] == len(a), down_s
-    assert down_s["lookup_count"] >= len(a), "every lookup got an answer while Redis was down"
+    assert down_s["lookup_count"] == len(a), "every lookup got an answer while Redis was down"
     assert down_s["lookup_errors"] == 0, "a dead Redis is a miss in the service, not a failed call"
     assert down_s["external_tokens"] == 0, down_s
     assert down_w["loaded_chunks"] == 0 and down_w["failed_load_chunks"] == 0, down_w
     # The service counted the outage: refused connections, then calls skipped by the open breaker.
     assert errors.get("connection", 0) >= 1, errors
     assert errors.get("unavailable", 0) >= 1, errors
-    assert after["hit_tokens"]["redis"] - before["redis"] >= len(b) * PREFIX_TOKENS, "hits resumed"
+    resumed = delta(after["hit_tokens"], before)
+    assert resumed == {"cpu": 0, "disk": 0, "redis": len(b) * PREFIX_TOKENS}, f"hits resumed: {resumed}"
+    assert back_s["external_tokens"] == len(b) * PREFIX_TOKENS, back_s
     assert after["tiers"]["redis"]["healthy"], after["tiers"]["redis"]
 
 
@@ -136,24 +150,32 @@ def test_slow_redis_never_blocks_the_scheduler(
         svc = sp.start()
         redis_ready(svc)
         cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)  # lookup budget 5 ms
-        with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+        with running_engine(tiny_model, cfg) as llm:
             assert_same_outputs(oracle(batch(groups, 0)), generate(llm, batch(groups, 0), MAX_TOKENS))
             wait_stored(svc, "redis", len(groups) * 3)
             clear_cpu(svc)
-            s0, hits0, delayed0 = sched_counts(llm), svc.hit_tokens(), proxy.responses_delayed
+            forget_local(llm)
+            s0, hits0, delayed0, local0 = (
+                sched_counts(llm),
+                svc.hit_tokens(),
+                proxy.responses_delayed,
+                local_hits(llm),
+            )
             assert_same_outputs(oracle(batch(groups, 1)), generate_each(llm, batch(groups, 1), MAX_TOKENS))
             slow = delta(sched_counts(llm), s0)
-            hits = svc.hit_tokens()["redis"] - hits0["redis"]
+            hits = delta(svc.hit_tokens(), hits0)
             delayed = proxy.responses_delayed - delayed0
             slow_stats = svc.stats()
 
             # Redis hangs (the proxy holds every byte): calls time out, the breaker opens, misses.
             clear_cpu(svc)
+            forget_local(llm)
             proxy.pause()
             try:
                 s1 = sched_counts(llm)
                 got = generate_each(llm, batch(groups, 2), MAX_TOKENS)
                 hung = delta(sched_counts(llm), s1)
+                local = local_hits(llm) - local0
                 # The engine may finish before a hung call's timeout ends; the service counts it then.
                 wait_for(
                     lambda: _redis_errors(svc.stats()).get("timeout", 0) >= 1,
@@ -165,8 +187,12 @@ def test_slow_redis_never_blocks_the_scheduler(
             wait_for(lambda: svc.stats()["write_queue_depth"] == 0, 30, "writes to drain")
     assert_same_outputs(oracle(batch(groups, 2)), got)
     assert delayed > 0, "Redis replies went through the slow proxy"
-    assert hits >= len(groups) * PREFIX_TOKENS, f"slow Redis still served every stored prefix: {slow_stats}"
-    assert slow["external_tokens"] >= len(groups) * PREFIX_TOKENS, (slow, slow_stats)
+    served = len(groups) * PREFIX_TOKENS
+    assert hits == {"cpu": 0, "disk": 0, "redis": served}, (
+        f"slow Redis still served every stored prefix: {slow_stats}"
+    )
+    assert slow["external_tokens"] == served, (slow, slow_stats)
+    assert local == 0, "vLLM's own cache served part of a batch that had to come from kvtier"
     # No Redis reply can arrive within the 5 ms budget, so every lookup that went to Redis was deferred
     # (vLLM asked again on a later step) instead of being waited on.
     assert slow["lookups_deferred"] >= len(groups), slow

@@ -4,6 +4,12 @@ identical, the connector reconnects (standalone) or respawns the service (embedd
 Run as a module (``python -m tests.reliability.test_service_kill --driver JOB``) this file is the
 engine process of the embedded test: one in-process vLLM engine with kvtier on its embedded default,
 taking batches of prompts as JSON lines on stdin and answering each on stdout.
+
+vLLM's prefix cache is on. A batch whose prefixes must come from kvtier (or be recomputed and saved
+again) runs after ``forget_local`` emptied vLLM's cache; a chunk vLLM's own cache serves is never
+saved by kvtier, so a prefix computed while the service was away is saved only once it is recomputed.
+The first batch after a service (re)appears may miss saves (the worker maps the new arena on its
+first steps), so hits are counted exactly on the third batch of a group, after two rounds of saves.
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ from tests.e2e.oracle import assert_same_outputs
 from tests.reliability.conftest import (
     CHUNK,
     MAX_TOKENS,
-    NO_LOCAL_CACHE,
     PREFIX_TOKENS,
     SHORT_MAX_TOKENS,
     Oracle,
     batch,
     clear_cpu,
     delta,
+    forget_local,
+    local_hits,
     sched_counts,
     short_prompts,
     wait_for,
@@ -78,7 +85,7 @@ def test_standalone_service_sigkill_then_restart(
     sp = services(tmp_path / "svc", shm_dir=shm_dir)
     svc = sp.start()
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
-    with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, cfg) as llm:
         assert_same_outputs(oracle(batch(first, 0)), generate_each(llm, batch(first, 0), MAX_TOKENS))
         lookups0 = svc.stats()["lookups"]
         killed = threading.Event()
@@ -94,6 +101,7 @@ def test_standalone_service_sigkill_then_restart(
                 time.sleep(0.01)
 
         thread = threading.Thread(target=killer, daemon=True)
+        forget_local(llm)
         thread.start()
         got = generate_each(llm, batch(first, 1), MAX_TOKENS)  # killed after its second lookup
         thread.join(60)
@@ -101,7 +109,8 @@ def test_standalone_service_sigkill_then_restart(
         assert_same_outputs(oracle(batch(first, 1)), got)
 
         # The service is dead: vLLM serves on, every lookup a miss at once.
-        s0, w0 = sched_counts(llm), worker_counts()
+        forget_local(llm)
+        s0, w0, local0 = sched_counts(llm), worker_counts(), local_hits(llm)
         assert_same_outputs(oracle(batch(first, 2)), generate_each(llm, batch(first, 2), MAX_TOKENS))
         down_s, down_w = delta(sched_counts(llm), s0), delta(worker_counts(), w0)
 
@@ -109,8 +118,8 @@ def test_standalone_service_sigkill_then_restart(
         svc = sp.start()
         sched_client, worker_client = scheduler_connector(llm)._client, worker_connector()._client
         wait_for(lambda: sched_client.connected and worker_client.connected, 30, "the connector to reconnect")
-        outs = [generate_each(llm, batch(second, j), MAX_TOKENS) for j in range(3)]
-        after = svc.stats()
+        outs, resumed = _three_rounds(llm, second)
+        local = local_hits(llm) - local0
         files = {p.name for p in kvtier_files(sp.tmp, shm_dir)}
         live_arena = Path(svc.client.arena.path).name  # type: ignore[union-attr]
     for j, out in enumerate(outs):
@@ -118,7 +127,8 @@ def test_standalone_service_sigkill_then_restart(
     assert down_s["lookup_errors"] >= len(first), "lookups failed fast while the service was down"
     assert down_s["external_tokens"] == 0, down_s
     assert down_w["loaded_chunks"] == 0 and down_w["saved_chunks"] == 0, down_w
-    assert after["hit_tokens"]["cpu"] >= len(second) * PREFIX_TOKENS, f"hits resumed: {after}"
+    _assert_resumed(resumed, len(second))
+    assert local == 0, "vLLM's own cache served part of a batch that had to come from kvtier"
     # What a SIGKILL leaves (the dead instance's arena: cpu_size bytes of tmpfs memory) is gone once
     # a new service has started in the same shm_dir.
     assert files == {"kvtier.sock", live_arena}, f"the killed instance's arena is left behind: {files}"
@@ -131,21 +141,43 @@ def test_service_unreachable_at_engine_start_then_up(
     groups = [40, 41, 42, 43]
     sp = services(tmp_path / "svc")  # not started yet: nothing listens on its socket
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
-    with running_engine(tiny_model, cfg, **NO_LOCAL_CACHE) as llm:
+    with running_engine(tiny_model, cfg) as llm:
         s0 = sched_counts(llm)
         assert_same_outputs(oracle(batch(groups, 0)), generate_each(llm, batch(groups, 0), MAX_TOKENS))
         down = delta(sched_counts(llm), s0)
-        svc = sp.start()
+        sp.start()
         sched_client, worker_client = scheduler_connector(llm)._client, worker_connector()._client
         wait_for(lambda: sched_client.connected and worker_client.connected, 30, "the connector to connect")
-        outs = [generate_each(llm, batch(groups, j), MAX_TOKENS) for j in (1, 2, 3)]
-        hits = svc.hit_tokens()
+        # vLLM's own cache holds the prefixes from batch 0, which kvtier never saw: emptied, they are
+        # recomputed and saved.
+        local0 = local_hits(llm)
+        outs, resumed = _three_rounds(llm, groups, first=1)
+        local = local_hits(llm) - local0
     for j, out in zip((1, 2, 3), outs, strict=True):
         assert_same_outputs(oracle(batch(groups, j)), out)
     assert down["lookup_errors"] >= len(groups) and down["external_tokens"] == 0, down
-    assert hits["cpu"] >= len(groups) * PREFIX_TOKENS, hits
+    _assert_resumed(resumed, len(groups))
+    assert local == 0, "vLLM's own cache served part of a batch that had to come from kvtier"
     # Invariant 8: every admission is counted, also those whose lookup failed.
     assert down["admissions"] == len(groups), f"admissions not counted while the service was down: {down}"
+
+
+def _three_rounds(llm: Any, groups: list[int], first: int = 0) -> tuple[list[Outputs], dict[str, Any]]:
+    """Batches first..first+2 of the groups, each after vLLM's own cache was emptied; the outputs
+    and the connector's counters over the last batch."""
+    outs = []
+    for j in range(first, first + 3):
+        forget_local(llm)
+        s0, w0 = sched_counts(llm), worker_counts()
+        outs.append(generate_each(llm, batch(groups, j), MAX_TOKENS))
+    return outs, {"sched": delta(sched_counts(llm), s0), "worker": delta(worker_counts(), w0)}
+
+
+def _assert_resumed(last: dict[str, Any], groups: int) -> None:
+    """Two rounds of saves since the service came back: the last batch loads every prefix."""
+    assert last["sched"]["external_tokens"] == groups * PREFIX_TOKENS, f"hits resumed: {last}"
+    assert last["worker"]["loaded_tokens"] == groups * PREFIX_TOKENS, last
+    assert last["worker"]["failed_load_chunks"] == 0, last
 
 
 def test_frozen_service_neither_stalls_vllm_nor_leaks(
@@ -188,6 +220,7 @@ def test_frozen_service_neither_stalls_vllm_nor_leaks(
             )
         # B: lookup calls abandoned by the client.
         clear_cpu(svc)
+        driver.ask([], forget=True)
         os.kill(sp.pid, signal.SIGSTOP)
         try:
             driver.send({"prompts": batch(groups, 1), "concurrent": True})
@@ -205,10 +238,10 @@ def test_frozen_service_neither_stalls_vllm_nor_leaks(
         if frozen is not None:
             outputs[1] = frozen
             # Saves are best effort: those of the first step after the resume may still be skipped
-            # (the worker only probes for answers then), so two more batches must hit at least once.
-            outputs.update({j: driver.ask(batch(groups, j)) for j in (2, 3, 4)})
+            # (the worker only probes for answers then), so the last of three more batches loads every
+            # prefix. Each runs after vLLM's own cache was emptied: batch 1 left the prefixes there.
+            outputs.update({j: driver.ask(batch(groups, j), forget=True) for j in (2, 3, 4)})
             after = wait_settled(svc)
-            hits = svc.hit_tokens()
     finally:
         driver.close(5 if stuck else 60)
     assert_same_outputs(oracle(short_prompts(), SHORT_MAX_TOKENS), Outputs(shorts["tokens"]))
@@ -219,7 +252,9 @@ def test_frozen_service_neither_stalls_vllm_nor_leaks(
     assert during["lookup_errors"] >= len(groups) and during["external_tokens"] == 0, during
     assert after["leases_active"] == 0, after
     assert after["slots_in_use"] == after["tiers"]["cpu"]["chunks"], after
-    assert hits["cpu"] >= len(groups) * PREFIX_TOKENS, f"the prefixes were stored again: {hits}"
+    last = {side: delta(outputs[4][side], outputs[3][side]) for side in ("sched", "worker")}
+    _assert_resumed(last, len(groups))
+    assert outputs[4]["local_hits"] == outputs[0]["local_hits"], "vLLM's own cache served a batch"
 
 
 # ------------------------------------------------------------------------------------- embedded
@@ -269,10 +304,15 @@ class Driver:
         return reply
 
     def ask(
-        self, prompts: list[list[int]], concurrent: bool = False, max_tokens: int = MAX_TOKENS
+        self,
+        prompts: list[list[int]],
+        concurrent: bool = False,
+        max_tokens: int = MAX_TOKENS,
+        forget: bool = False,
     ) -> dict[str, Any]:
-        """Run a batch; the answer holds its tokens and the connector's counters after it."""
-        self.send({"prompts": prompts, "concurrent": concurrent, "max_tokens": max_tokens})
+        """Run a batch (after emptying vLLM's own prefix cache, with forget); the answer holds its
+        tokens, the connector's counters and vLLM's local prefix-cache hits after it."""
+        self.send({"prompts": prompts, "concurrent": concurrent, "max_tokens": max_tokens, "forget": forget})
         return self.answer()
 
     def send(self, message: dict[str, Any]) -> None:
@@ -327,7 +367,7 @@ def test_embedded_service_sigkill_is_respawned(tiny_model: str, oracle: Oracle, 
         lookups0 = admin_stats(admin)["lookups"]
 
         # kill -9 the service while the next batch runs (after its first lookup was served).
-        driver.send({"prompts": batch(first, 1)})
+        driver.send({"prompts": batch(first, 1), "forget": True})
         wait_for(lambda: admin_stats(admin)["lookups"] > lookups0, 60, "a lookup of the batch")
         os.kill(first_pid, 9)
         assert_same_outputs(oracle(batch(first, 1)), Outputs(driver.answer()["tokens"]))
@@ -337,8 +377,8 @@ def test_embedded_service_sigkill_is_respawned(tiny_model: str, oracle: Oracle, 
             lambda: (pid := _one_service(engine_pid)) != first_pid and pid, 60, "a respawned service"
         )
         wait_for(lambda: _admin_up(admin), 30, "the respawned service's admin port")
-        outs = [driver.run(batch(second, j)) for j in range(3)]
-        stats = admin_stats(admin)
+        replies = [driver.ask(batch(second, j), forget=True) for j in range(3)]
+        outs = [Outputs(reply["tokens"]) for reply in replies]
         arenas = [p for p in kvtier_files(shm) if p.suffix == ".arena"]
         sockets = [p for p in kvtier_files(runtime) if p.suffix == ".sock"]
     finally:
@@ -346,7 +386,10 @@ def test_embedded_service_sigkill_is_respawned(tiny_model: str, oracle: Oracle, 
     for j, out in enumerate(outs):
         assert_same_outputs(oracle(batch(second, j)), out)
     assert not alive(first_pid)
-    assert stats["hit_tokens"]["cpu"] >= len(second) * PREFIX_TOKENS, f"hits resumed: {stats}"
+    _assert_resumed(
+        {side: delta(replies[2][side], replies[1][side]) for side in ("sched", "worker")}, len(second)
+    )
+    assert replies[2]["local_hits"] == replies[0]["local_hits"], "vLLM's own cache served a batch"
     assert len(arenas) == 1, f"the killed service's arena was not cleaned up: {arenas}"
     assert len(sockets) == 1, sockets
     assert status == 0, f"the engine process failed:\n{(tmp_path / 'engine.log').read_text()[-3000:]}"
@@ -358,16 +401,19 @@ def test_embedded_service_sigkill_is_respawned(tiny_model: str, oracle: Oracle, 
 # ----------------------------------------------------------------------------------------- driver
 def _driver(job: dict[str, Any]) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    with running_engine(job["model"], job["kv_config"], **NO_LOCAL_CACHE) as llm:
+    with running_engine(job["model"], job["kv_config"]) as llm:
         print(MARK + json.dumps({"ready": os.getpid()}), flush=True)
         for line in sys.stdin:
             message = json.loads(line)
             if message.get("exit"):
                 break
+            if message.get("forget"):
+                forget_local(llm)
             run = generate if message.get("concurrent") else generate_each
-            out = run(llm, message["prompts"], message.get("max_tokens", MAX_TOKENS))
-            counts = {"sched": sched_counts(llm), "worker": worker_counts()}
-            print(MARK + json.dumps({"tokens": out.tokens, **counts}), flush=True)
+            prompts = message["prompts"]
+            tokens = run(llm, prompts, message.get("max_tokens", MAX_TOKENS)).tokens if prompts else []
+            counts = {"sched": sched_counts(llm), "worker": worker_counts(), "local_hits": local_hits(llm)}
+            print(MARK + json.dumps({"tokens": tokens, **counts}), flush=True)
     return 0
 
 
