@@ -422,7 +422,9 @@ class WorkerSide:
     def _plan_save(self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]) -> _SavedJob:
         """Add job's chunk copies to chunks; the chunks to commit once they are done."""
         assert self.client is not None and self.copier is not None
-        skip = job.req_id in self._failed_this_step  # nothing computed on a failed load is stored
+        # Nothing computed on a failed load is stored, by any request: vLLM shares a sync load's
+        # blocks with requests admitted in the same step before the load has landed.
+        skip = bool(self._failed_this_step)
         saved = _SavedJob([], [], reply.instance_id)
         unused = []
         for h, ids, slot in zip(job.hashes, job.block_ids, reply.slots, strict=True):
