@@ -173,7 +173,11 @@ def _lock_holders() -> dict[int, int]:
 
 
 def _foreign(path: str, mark: str, mine: set[int]) -> bool:
-    """True for an arena or lock file whose lock a live process outside this session holds."""
+    """True for an arena or lock file whose lock a live process outside this session holds, and for
+    an embedded service's socket or state file whose lock file is such a one."""
+    if path.endswith((".sock", ".json")) and os.path.basename(path).startswith("e-"):
+        lock = os.path.splitext(path)[0] + ".lock"
+        return os.path.exists(lock) and _foreign(lock, mark, mine)
     if not path.endswith((".arena", ".lock")):
         return False
     try:
