@@ -42,6 +42,9 @@ HEADLINES = [
     ("connector", "ttft.ttft_miss_kvtier_fraction", None, False),
     ("connector", "ttft_cpu_hit_floor_ratio", 1.5, False),
     ("gpu", "copy_ratio", 0.9, True),  # only where a CUDA device is
+    # Written by `kvtier bench serve` (not part of make bench), kept in the same file.
+    ("serve", "throughput_ratio_vs_prefix_cache", 2.0, True),
+    ("serve", "throughput_ratio_vs_ceiling", 0.95, True),
 ]
 
 
@@ -121,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = run_all(args.skip_ttft)
     out = Path(args.out)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    # `kvtier bench serve` writes its own section into the same file: keep it.
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    kept = {key: previous[key] for key in ("serve",) if key in previous}
+    out.write_text(json.dumps({**results, **kept}, indent=2) + "\n")
     print(table(results))
     print(f"\nwrote {out}")
     if not args.no_chart:
