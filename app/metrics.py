@@ -160,6 +160,7 @@ def stats_dict(stats: StoreStats, metrics: ServiceMetrics, instance_id: str) -> 
             "bytes_read": tier.bytes_read,
             "bytes_written": tier.bytes_written,
             "healthy": tier.healthy,
+            "loading": tier.loading,
         }
     return {
         "instance_id": instance_id,

@@ -42,6 +42,8 @@ HEADLINES = [
     ("connector", "ttft.ttft_miss_kvtier_fraction", None, False),
     ("connector", "ttft_cpu_hit_floor_ratio", 1.5, False),
     ("gpu", "copy_ratio", 0.9, True),  # only where a CUDA device is
+    ("storage", "disk_index.first_answer_s", 1.0, False),
+    ("storage", "disk_index.index_bytes_per_chunk", 200.0, False),
     # Written by `kvtier bench serve` (not part of make bench), kept in the same file.
     ("serve", "throughput_ratio_vs_prefix_cache", 2.0, True),
     ("serve", "throughput_ratio_vs_ceiling", 0.95, True),

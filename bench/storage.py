@@ -23,6 +23,11 @@ For chunk sizes of 2, 8 and 32 MiB it measures, in one run and interleaved repet
 
 Every ratio is tier / reference throughput; each top-level ratio is the worst over the chunk sizes.
 A redis-server is started on a free loopback port when ``redis_url`` is empty and one is installed.
+
+- disk_index: the disk tier's start over 100,000 chunk files (``--index-files``, e.g. ``--index-files
+  100000 1000000``; the million takes minutes, so it is opt-in): time to its first answer and to a
+  full index, page cache warm and cold, and the index's bytes per chunk (``bench/storage_index.py``).
+  ``--index-only`` measures only this; ``--index-files`` with no count skips it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.app.settings import KVTierSettings, load_settings, storage_config
+from kvtier.bench import storage_index
 from kvtier.runtime.event_loop import new_event_loop
 from kvtier.runtime.handoff import IOThreads
 from kvtier.storage.base import ChunkKey
@@ -390,6 +396,14 @@ def _redis_url(settings: KVTierSettings, want: bool) -> Iterator[tuple[str | Non
 
 
 async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[str, Any]:
+    base = args.disk_path or settings.disk_path or None
+    result: dict[str, Any] = {} if args.index_only else await _measure_throughput(args, settings)
+    if args.index_files:
+        result["disk_index"] = await storage_index.measure(args.index_files, base, args.index_cold)
+    return result
+
+
+async def _measure_throughput(args: argparse.Namespace, settings: KVTierSettings) -> dict[str, Any]:
     from kvtier.storage.arena import Arena
 
     sizes = [int(s) * MIB for s in args.sizes]
@@ -457,6 +471,9 @@ async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[s
 
 
 def _table(fig: dict[str, Any]) -> str:
+    index = storage_index.table(fig["disk_index"]) if "disk_index" in fig else []
+    if "repeats" not in fig:  # --index-only
+        return "\n".join(["kvtier storage benchmark", *index])
     lines = [f"kvtier storage benchmark, best of {fig['repeats']}, GB/s (1e9 bytes/s)"]
     columns = {
         "disk": ("put_gbps", "put_parallel_gbps", "ref_put_gbps", "put_ratio", "thread_put_ratio",
@@ -479,7 +496,7 @@ def _table(fig: dict[str, Any]) -> str:
             lines.append(f"{row['size_mib']:>5}" + "".join(f"{row[c]:>22}" for c in present))
         worst = {k: v for k, v in section.items() if k != "sizes"}
         lines.append("worst: " + ", ".join(f"{k}={v}" for k, v in worst.items()))
-    return "\n".join(lines)
+    return "\n".join(lines + index)
 
 
 def build_parser(prog: str = "kvtier bench storage") -> argparse.ArgumentParser:
@@ -497,6 +514,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="repetitions, best kept (default 5)")
     parser.add_argument("--disk-path", default="", help="where to write (default: a temp dir)")
     parser.add_argument("--no-redis", dest="redis", action="store_false", help="skip Redis")
+    parser.add_argument(
+        "--index-files",
+        nargs="*",
+        type=int,
+        default=[100_000],
+        help="chunk files for the disk index's start (default 100000; none: skip it)",
+    )
+    parser.add_argument(
+        "--no-index-cold",
+        dest="index_cold",
+        action="store_false",
+        help="measure the index's start with the page cache warm only",
+    )
+    parser.add_argument("--index-only", action="store_true", help="measure only the disk index's start")
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -264,6 +264,7 @@ class TierStats:
     bytes_written: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     healthy: bool = True
+    loading: bool = False  # the tier's index is still loading (disk): hits arrive as it fills
 
     def count_error(self, kind: str) -> None:
         """Add one error of this kind."""

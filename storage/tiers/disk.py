@@ -1,26 +1,43 @@
 """Disk tier: one self-describing blob file per chunk under ``disk_path``, LRU within ``disk_size``.
 
 Files live at ``disk_path/keys.disk_relpath(key)``; how they are written, read and verified is
-``storage.tiers.disk_files``. Who owns what: the event loop owns the index (key -> file size, in LRU
-order), the pins, the byte accounting and the stats. File I/O runs in this tier's own few threads
-(``IOThreads``), one hand-off each way per chunk: a put writes, checksums and renames in one call; a
-get reads and verifies in one call; a put's bookkeeping runs in the hook that settles its job. The
-threads only run file I/O on paths and buffers handed to them; they never touch the index.
+``storage.tiers.disk_files``, and the index (key -> file size, in LRU order) is
+``storage.tiers.disk_index``. Who owns what: the event loop owns the index, the pins, the byte
+accounting and the stats. File I/O runs in this tier's own few threads (``IOThreads``), one hand-off
+each way per chunk: a put writes, checksums and renames in one call; a get reads and verifies in one
+call; a put's bookkeeping runs in the hook that settles its job. The threads only run file I/O on
+paths and buffers handed to them; they never touch the index.
+
+Start: ``start()`` only creates ``disk_path``; the index loads in the background, from a scan of the
+directory on threads of its own (a fan-out directory per job, merged into the index on the loop), so
+the service serves at once and disk hits arrive as the index fills (``index_complete``,
+``wait_loaded``). There is no snapshot of the index to load instead: after a crash it would miss
+every file written since it was taken, whose bytes would then go uncounted, so the scan has to run
+anyway, and once it runs in the background a snapshot would only shorten the time to a full index,
+at the price of a second record of the same facts that can disagree with the files. During the load
+a lookup is a miss or an indexed file, and every read verifies the file, as always. Puts, deletes,
+clear and unpins stay exact (``disk_index.IndexLoad``); eviction waits for the full index, whose LRU
+order comes from the files' modification times, and meanwhile a put that does not fit in
+``disk_size`` with the bytes known so far is refused (counted ``full``), so the files never exceed
+``disk_size`` by more than those the scan has not reached yet.
 
 Pins and deletes: pinned keys are never evicted. ``delete`` of a pinned key hides it from
 ``contains_many`` at once but keeps serving ``get_into`` to the lease that pinned it; the file goes when
 the last pin is released. Recency after a restart comes from file modification times (a hit does not
-touch the file, to keep reads free of metadata writes).
+touch the file, to keep reads free of metadata writes). Eviction frees ``disk_size`` / 1024 bytes
+beyond what a put needs, so its scan from the oldest end (see ``disk_index``) runs once per many puts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable
 from functools import partial
+from itertools import islice
 from typing import Any, TypeVar
 
 from kvtier.runtime.handoff import IOThreads, Job
@@ -28,11 +45,17 @@ from kvtier.storage import codec
 from kvtier.storage.base import ChunkKey, Tier, TierStats
 from kvtier.storage.config import DiskConfig
 from kvtier.storage.tiers.disk_files import BlobFiles, DiskIO, ScanReport, error_kind
+from kvtier.storage.tiers.disk_index import DiskIndex, IndexLoad, ScanBatch, order_by_mtime
 from kvtier.storage.tiers.pins import PinBook
 
 log = logging.getLogger("kvtier.disk")
 T = TypeVar("T")
 _IO_THREADS = 4
+# Scan jobs in flight: on a cold disk each header read waits on the device, and more reads in flight
+# end sooner; on a warm one they take turns with the GIL. The threads end with the load.
+_SCAN_THREADS = 8
+_SLACK_SHIFT = 10  # eviction frees disk_size >> this beyond its need
+_CLEAR_STEP = 8192  # keys a clear unindexes between two turns of the loop
 
 
 class DiskTier:
@@ -47,8 +70,12 @@ class DiskTier:
         self.capacity = config.capacity
         self.files = BlobFiles(self.root, io or DiskIO(), config.fsync)
         self.last_scan = ScanReport()
-        self._index: OrderedDict[ChunkKey, int] = OrderedDict()
-        self._used = 0
+        self._index = DiskIndex()
+        self._ids = self._index.ids
+        self._load: IndexLoad | None = None  # the books of the index's load, while it runs
+        self._load_task: asyncio.Task[None] | None = None
+        self._complete = asyncio.Event()
+        self._slack = self.capacity >> _SLACK_SHIFT
         self._reserved = 0  # bytes of writes in flight, so concurrent puts cannot overshoot capacity
         self._book = PinBook()
         self._writing: dict[ChunkKey, Job[None]] = {}
@@ -58,6 +85,8 @@ class DiskTier:
         # Writes are write-behind, nobody waits for them: they take only cores nothing else wants,
         # while reads (a hit's load) keep their priority (runtime/affinity.py).
         self._writers = IOThreads(_IO_THREADS, "kvtier-disk-write", idle=True)
+        # The scan has threads of its own, so a hit's read never queues behind a directory.
+        self._scanners = IOThreads(_SCAN_THREADS, "kvtier-disk-scan")
 
     # ------------------------------------------------------------------------------------------ helpers
     def path_of(self, key: ChunkKey) -> str:
@@ -68,33 +97,77 @@ class DiskTier:
         return await self._threads.run(fn, *args)
 
     def _drop(self, key: ChunkKey) -> bool:
-        size = self._index.pop(key, None)
+        """Unindex key (a load in progress remembers it, so the scan cannot bring it back)."""
         self._book.forget(key)
-        if size is None:
-            return False
-        self._used -= size
-        return True
+        if self._load is not None:
+            self._load.dropped.add(self._ids.compact(key))
+        compact = self._index.find(key)
+        return compact is not None and self._index.pop(compact) is not None
 
-    def _insert(self, key: ChunkKey, size: int) -> None:
-        self._drop(key)
-        self._index[key] = size
-        self._used += size
+    def _touch(self, compact: bytes) -> None:
+        if self._index.touch(compact) and self._load is not None:
+            self._load.stored(compact)
 
     # ------------------------------------------------------------------------------------------ start
+    @property
+    def index_complete(self) -> bool:
+        """Whether the index holds every file under disk_path (the background load has ended)."""
+        return self._complete.is_set()
+
+    async def wait_loaded(self) -> None:
+        """Wait until the index is complete (it never is if start() was not called)."""
+        await self._complete.wait()
+
     async def start(self) -> None:
-        """Rebuild the index from the files under disk_path (in a thread), then fit it in disk_size."""
+        """Create disk_path if missing and start loading the index in the background (see above)."""
         try:
-            found, report = await self._run(self.files.scan)
-        except Exception as exc:  # the root cannot be created or listed
+            await self._run(self.files.io.makedirs, self.root)
+        except Exception as exc:  # the root cannot be created
             self._stats.count_error(error_kind(exc))
             self._stats.healthy = False
+            self._complete.set()  # nothing more will be found
             log.warning("disk tier %s unusable: %s", self.root, exc)
             return
+        self._stats.healthy = True
+        self._load = IndexLoad()
+        self._load_task = asyncio.get_running_loop().create_task(self._load_index(self._load))
+
+    async def _load_index(self, load: IndexLoad) -> None:
+        """Scan disk_path a fan-out directory per job, merging each into the index as it comes; then
+        put the LRU order in place and fit the index in disk_size."""
+        report = ScanReport()
+        try:
+            prefix = self._ids.prefix
+            units, batch, part = await self._scanners.run(self.files.scan_plan, prefix)
+            await self._merge(load, batch, part, report)
+            pending = iter(units)
+            scan = partial(self._scanners.submit, self.files.scan_unit)
+            jobs = deque(scan(unit, prefix) for unit in islice(pending, _SCAN_THREADS))
+            while jobs:  # the loop merges one directory while the threads scan the next ones
+                batch, part = await jobs.popleft().result()
+                jobs.extend(scan(unit, prefix) for unit in islice(pending, 1))
+                await self._merge(load, batch, part, report)
+            load.settle(self._index, await self._scanners.run(order_by_mtime, *load.records()))
+        except Exception as exc:  # the index keeps what was found, in the order it was found
+            self._stats.count_error("scan_failed")
+            log.warning(
+                "disk tier %s: the index's load failed after %d files: %r", self.root, load.found, exc
+            )
+        self._load = None
+        await self._loaded(report)
+        await asyncio.get_running_loop().run_in_executor(None, self._scanners.close)
+
+    async def _merge(self, load: IndexLoad, batch: ScanBatch, part: ScanReport, report: ScanReport) -> None:
+        """Merge one scan job's findings into the index, and remove the files it says to."""
+        report.add(part)
+        writing = {self._ids.compact(k) for k in self._writing}
+        remove = load.merge(self._index, batch, writing)
+        if remove:
+            await self._remove([self._ids.key_of(c) for c in remove], self._scanners)
+
+    async def _loaded(self, report: ScanReport) -> None:
+        """The index is complete: count what the scan found, fit the index in disk_size."""
         self.last_scan = report
-        self._index.clear()
-        self._used = 0
-        for key, size, _mtime in sorted(found, key=lambda item: item[2]):
-            self._insert(key, size)
         for kind, n in (
             ("scan_temp", report.temp_removed),
             ("scan_foreign", report.foreign_skipped),
@@ -104,14 +177,15 @@ class DiskTier:
         ):
             if n:
                 self._stats.errors[kind] = self._stats.errors.get(kind, 0) + n
-        victims = self._pick_victims(0)
+        victims = self._pick_victims(0) or []
         if victims:
             await self._remove(victims)
-        self._stats.healthy = True
+        self._complete.set()
         log.info(
-            "disk tier %s: %d chunks (%d bytes) kept, %d evicted to fit %d bytes; removed %d temp, "
-            "%d corrupt and %d older-format files; skipped %d foreign and %d unreadable files",
-            self.root, len(self._index), self._used, len(victims or []), self.capacity,
+            "disk tier %s: index complete, %d chunks (%d bytes) kept, %d evicted to fit %d bytes; "
+            "removed %d temp, %d corrupt and %d older-format files; skipped %d foreign and %d "
+            "unreadable files",
+            self.root, len(self._index), self._index.used, len(victims), self.capacity,
             report.temp_removed, report.corrupt_removed, report.outdated_removed,
             report.foreign_skipped, report.unreadable_skipped,
         )  # fmt: skip
@@ -119,12 +193,14 @@ class DiskTier:
     # ------------------------------------------------------------------------------------------ LowerTier
     async def contains_many(self, keys: list[ChunkKey]) -> list[bool]:
         """Index lookups only; no I/O (every read verifies the file anyway)."""
-        return [key in self._index and not self._book.is_doomed(key) for key in keys]
+        find, doomed = self._index.find, self._book.is_doomed
+        return [find(key) is not None and not doomed(key) for key in keys]
 
     async def put(self, key: ChunkKey, payload: memoryview) -> bool:
         """Write header and payload to a temp file, rename it in; False on any failure or no room."""
-        if key in self._index and not self._book.is_doomed(key):
-            self._index.move_to_end(key)
+        compact = self._index.find(key)
+        if compact is not None and not self._book.is_doomed(key):
+            self._touch(compact)
             return True
         job = self._writing.get(key) or self._start_write(key, payload)
         if job is None:
@@ -169,33 +245,46 @@ class DiskTier:
         if error is not None:  # every I/O failure is a counted miss, never raised to the store
             self._stats.count_error(error_kind(error))
             return
-        self._insert(key, size)
+        self._book.forget(key)
+        compact = self._ids.compact(key)
+        self._index.put(compact, size)  # replaces any entry of the key: its file was replaced
+        if self._load is not None:
+            self._load.stored(compact)
         self._stats.stores += 1
         self._stats.bytes_written += nbytes
 
     def _pick_victims(self, need: int) -> list[ChunkKey] | None:
-        """Unindex least recently used unpinned keys until need more bytes fit; None if impossible."""
-        excess = self._used + self._reserved + need - self.capacity
+        """Unindex least recently used unpinned keys until need more bytes fit, then more while they
+        fit in the slack; None if impossible, or while the index loads (its LRU order is not known)."""
+        index = self._index
+        excess = index.used + self._reserved + need - self.capacity
         if excess <= 0:
             return []
-        victims: list[ChunkKey] = []
-        for key, size in self._index.items():
-            if excess <= 0:
-                break
-            if self._book.pinned(key):
-                continue
-            victims.append(key)
-            excess -= size
-        if excess > 0:
+        if self._load is not None:
             return None
-        for key in victims:
-            self._drop(key)
+        freed, limit = 0, excess + self._slack
+        victims: list[tuple[bytes, ChunkKey]] = []
+        key_of, pinned = self._ids.key_of, self._book.pinned
+        for compact, size in index.oldest():
+            if freed >= excess and freed + size > limit:
+                break
+            key = key_of(compact)
+            if pinned(key):
+                continue
+            victims.append((compact, key))
+            freed += size
+        if freed < excess:
+            return None
+        for compact, key in victims:
+            index.pop(compact)
+            self._book.forget(key)
         self._stats.evictions += len(victims)
-        return victims
+        return [key for _, key in victims]
 
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
         """Read key's payload straight into dest and verify it; False on miss, error or corruption."""
-        if key not in self._index:
+        compact = self._index.find(key)
+        if compact is None:
             self._stats.misses += 1
             return False
         dest = memoryview(dest).cast("B")
@@ -210,18 +299,18 @@ class DiskTier:
                 if kind == "corrupt":
                     await self._remove([key])
             return False
-        if key in self._index:
-            self._index.move_to_end(key)
+        self._touch(compact)
         self._stats.hits += 1
         self._stats.bytes_read += dest.nbytes
         return True
 
     async def delete(self, key: ChunkKey) -> None:
-        """Remove key; a pinned key disappears from lookups now and from disk at its last unpin."""
+        """Remove key; a pinned key disappears from lookups now and from disk at its last unpin.
+        While the index loads, a key it does not hold yet may still have a file: that goes too."""
         pending = self._writing.get(key)
         if pending is not None:
             await pending.ended()
-        if key not in self._index:
+        if self._index.find(key) is None and self._load is None:
             return
         if self._book.pinned(key):
             self._book.doom(key)
@@ -229,21 +318,30 @@ class DiskTier:
         self._drop(key)
         await self._remove([key])
 
-    async def _remove(self, keys: list[ChunkKey]) -> None:
+    async def _remove(self, keys: list[ChunkKey], threads: IOThreads | None = None) -> None:
         """Unlink the files of keys already dropped from the index; a failure is counted only."""
         try:
-            await self._run(self.files.unlink_quiet, [self.path_of(k) for k in keys])
+            paths = [self.path_of(k) for k in keys]
+            await (threads or self._threads).run(self.files.unlink_quiet, paths)
         except Exception as exc:  # e.g. the tier was closed meanwhile
             self._stats.count_error(error_kind(exc))
 
     async def clear(self) -> int:
-        """Remove every unpinned chunk (ClearableTier); returns how many were removed."""
-        victims = [k for k in self._index if not self._book.pinned(k)]
-        for key in victims:
-            self._drop(key)
-        if victims:
-            await self._remove(victims)
-        return len(victims)
+        """Remove every unpinned chunk (ClearableTier); returns how many were indexed. While the
+        index loads, the files the scan finds from then on are removed as it finds them."""
+        if self._load is not None:
+            self._load.cleared = True
+        keys = self._index.keys()
+        removed = 0
+        for start in range(0, len(keys), _CLEAR_STEP):  # the loop serves between steps
+            victims = [self._ids.key_of(c) for c in keys[start : start + _CLEAR_STEP] if c in self._index]
+            victims = [k for k in victims if not self._book.pinned(k)]
+            for key in victims:
+                self._drop(key)
+            if victims:
+                await self._remove(victims)
+            removed += len(victims)
+        return removed
 
     def pin(self, keys: list[ChunkKey]) -> None:
         """Keep keys from eviction until unpinned (one unpin per pin)."""
@@ -267,14 +365,24 @@ class DiskTier:
 
     def stats(self) -> TierStats:
         """A snapshot of the counters."""
-        return self._stats.snapshot(chunks=len(self._index), bytes=self._used, capacity=self.capacity)
+        return self._stats.snapshot(
+            chunks=len(self._index),
+            bytes=self._index.used,
+            capacity=self.capacity,
+            loading=not self.index_complete,
+        )
 
     async def close(self) -> None:
-        """Wait for writes and background removals, then stop the I/O threads."""
+        """Stop the index's load, wait for writes and background removals, then stop the threads."""
+        if self._load_task is not None:
+            self._load_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._load_task
         pending: list[Any] = [job.ended() for job in self._writing.values()]
         pending += self._background
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._scanners.close)
         await loop.run_in_executor(None, self._writers.close)
         await loop.run_in_executor(None, self._threads.close)

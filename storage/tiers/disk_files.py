@@ -12,6 +12,12 @@ payload's checksum segments (``codec.SEGMENT``) from both ends at once, the work
 while it is in that core's cache. A companion is offered only for chunks big enough to pay for it
 and while a core is spare (``companion``), and one that is late leaves the worker to do everything.
 
+The scan that loads the tier's index lists the directory one fan-out directory at a time
+(``scan_plan``, then ``scan_unit`` for each) and checks each file's header and length; it removes the
+temp files of writes that never ended (crashes) but not those of this process's writes in flight, and
+reports corrupt and older-format files for the tier to remove, since a write of the same key may have
+replaced the file meanwhile.
+
 Who owns what: ``BlobFiles`` holds no state the event loop reads; its methods run on the disk
 tier's I/O threads with the paths and buffers they are handed, and report by return value or
 exception. The tier (``storage.tiers.disk``) keeps the index.
@@ -25,14 +31,16 @@ import itertools
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvtier.runtime.handoff import Handoff, TwoEnds, companion
 from kvtier.storage import codec
 from kvtier.storage.base import BlobError, BlobFormatError, ChunkKey
 from kvtier.storage.keys import disk_relpath, parse_disk_relpath
+from kvtier.storage.tiers.disk_index import ScanBatch
 
 TEMP_PREFIX = ".tmp-"
+PrefixOf = Callable[[str], bytes]  # a namespace's compact-key prefix (disk_index.NamespaceIds.prefix)
 
 
 def _find_fallocate() -> Callable[[int, int, int, int], int] | None:
@@ -123,7 +131,7 @@ class LengthMismatchError(Exception):
 
 @dataclass(slots=True)
 class ScanReport:
-    """What start() found under disk_path."""
+    """What the index's load found under disk_path (corrupt and outdated files: found, then removed)."""
 
     chunks: int = 0
     bytes: int = 0
@@ -132,6 +140,11 @@ class ScanReport:
     corrupt_removed: int = 0
     outdated_removed: int = 0  # chunks of another storage format (kvtier upgraded or downgraded)
     unreadable_skipped: int = 0
+
+    def add(self, other: ScanReport) -> None:
+        """Add other's counts to these."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def error_kind(exc: BaseException) -> str:
@@ -157,45 +170,74 @@ class BlobFiles:
         self.fsync = fsync
         self._preallocate = True  # until the filesystem says it cannot
         self._temp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._own_temp = f"{TEMP_PREFIX}{self._temp_tag}-"
         self._temp_seq = itertools.count()
 
     def path_of(self, key: ChunkKey) -> str:
         """Absolute file path of key."""
         return self._prefix + disk_relpath(key)
 
-    def scan(self) -> tuple[list[tuple[ChunkKey, int, float]], ScanReport]:
-        """Every chunk file under the root (key, size, mtime), removing temp, corrupt and older-format
-        files; creates the root if missing."""
-        self.io.makedirs(self.root)
-        report = ScanReport()
-        found: list[tuple[ChunkKey, int, float]] = []
-        for dirpath, _dirs, files in os.walk(self.root):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                if name.startswith(TEMP_PREFIX):
-                    # Left by a write that never finished (crash): never valid, safe to remove.
-                    report.temp_removed += self.unlink_quiet([path])
-                    continue
-                key = parse_disk_relpath(os.path.relpath(path, self.root).replace(os.sep, "/"))
-                if key is None:
-                    report.foreign_skipped += 1  # not ours: leave it alone
-                    continue
-                try:
-                    size, mtime = self.check_file(path, key)
-                except BlobFormatError:
-                    # No namespace of this build names it: unindexed, it would hold disk_size's space.
-                    report.outdated_removed += self.unlink_quiet([path])
-                    continue
-                except BlobError:
-                    report.corrupt_removed += self.unlink_quiet([path])
-                    continue
-                except OSError:
-                    report.unreadable_skipped += 1  # an I/O error is not proof of rot: keep the file
-                    continue
-                found.append((key, size, mtime))
-                report.chunks += 1
-                report.bytes += size
-        return found, report
+    def scan_plan(self, prefix_of: PrefixOf) -> tuple[list[str], ScanBatch, ScanReport]:
+        """The directories to scan one at a time (``root/namespace/fan``, see ``scan_unit``), and what
+        lies in the two levels above them."""
+        units: list[str] = []
+        batch, report = ScanBatch(), ScanReport()
+        for top in os.scandir(self.root):
+            if not top.is_dir(follow_symlinks=False):
+                self._scan_file(top.path, top.name, prefix_of, batch, report)
+                continue
+            for sub in os.scandir(top.path):
+                if sub.is_dir(follow_symlinks=False):
+                    units.append(sub.path)
+                else:
+                    self._scan_file(sub.path, sub.name, prefix_of, batch, report)
+        return units, batch, report
+
+    def scan_unit(self, directory: str, prefix_of: PrefixOf) -> tuple[ScanBatch, ScanReport]:
+        """Every chunk file under directory (compact key, size, mtime), with the corrupt and
+        older-format files to remove; removes the temp files of writes that never finished."""
+        batch, report = ScanBatch(), ScanReport()
+        for dirpath, _dirs, names in os.walk(directory):
+            for name in names:
+                self._scan_file(os.path.join(dirpath, name), name, prefix_of, batch, report)
+        return batch, report
+
+    def _scan_file(
+        self, path: str, name: str, prefix_of: PrefixOf, batch: ScanBatch, report: ScanReport
+    ) -> None:
+        """Sort one file found by the scan into batch and report."""
+        if name.startswith(TEMP_PREFIX):
+            # Left by a write that never finished (crash): never valid, safe to remove. This
+            # process's own belong to writes in flight.
+            if not name.startswith(self._own_temp):
+                report.temp_removed += self.unlink_quiet([path])
+            return
+        key = parse_disk_relpath(path[len(self._prefix) :].replace(os.sep, "/"))
+        if key is None:
+            report.foreign_skipped += 1  # not ours: leave it alone
+            return
+        compact = prefix_of(key.namespace) + key.prefix_hash
+        try:
+            size, mtime = self.check_file(path, key)
+        except BlobFormatError:
+            # No namespace of this build names it: unindexed, it would hold disk_size's space.
+            report.outdated_removed += 1
+            batch.bad.append(compact)
+            return
+        except BlobError:
+            report.corrupt_removed += 1
+            batch.bad.append(compact)
+            return
+        except FileNotFoundError:
+            return  # removed since it was listed (a delete or an eviction): nothing to index
+        except OSError:
+            report.unreadable_skipped += 1  # an I/O error is not proof of rot: keep the file
+            return
+        batch.keys.append(compact)
+        batch.sizes.append(size)
+        batch.mtimes.append(mtime)
+        report.chunks += 1
+        report.bytes += size
 
     def check_file(self, path: str, key: ChunkKey) -> tuple[int, float]:
         """Validate the header and length of one file (the payload is verified on every read)."""

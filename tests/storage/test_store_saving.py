@@ -216,7 +216,7 @@ async def test_build_store_from_settings(tmp_path: Path) -> None:
 
 
 async def test_build_store_with_the_disk_tier_survives_a_restart(tmp_path: Path) -> None:
-    pytest.importorskip("kvtier.storage.tiers.disk")
+    DiskTier = pytest.importorskip("kvtier.storage.tiers.disk").DiskTier
     (tmp_path / "shm").mkdir()
     extra = {"shm_dir": str(tmp_path / "shm"), "cpu_size": "1MiB", "disk_path": str(tmp_path / "d")}
     settings = load_settings(extra, env={})
@@ -231,6 +231,9 @@ async def test_build_store_with_the_disk_tier_survives_a_restart(tmp_path: Path)
         assert await store.flush(5.0)
         client.close()
     async with await build_store(storage_config(settings)) as store:  # a fresh arena: only the disk remembers
+        (disk,) = store.lower
+        assert isinstance(disk, DiskTier)
+        await asyncio.wait_for(disk.wait_loaded(), 30)  # the index loads in the background
         ns = store.register(SPEC)
         res = await answer(store.lookup(ns, H[:3], "r"))
         assert res.num_hit == 2 and res.tiers == [Tier.DISK, Tier.DISK]

@@ -36,8 +36,11 @@ def settings(path: Path, size: int = 1 << 30, fsync: bool = False) -> DiskConfig
 
 
 async def started(path: Path, io: DiskIO | None = None, **kw: int | bool) -> DiskTier:
+    """A started tier whose index has loaded (tests of the load itself: test_disk_index.py)."""
     tier = DiskTier(settings(path, **kw), io=io)  # type: ignore[arg-type]
     await tier.start()
+    await asyncio.wait_for(tier.wait_loaded(), 30)
+    assert tier.index_complete
     return tier
 
 
