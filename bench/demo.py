@@ -158,7 +158,7 @@ def vllm_server(model: str, workdir: Path, kv_config: dict[str, Any] | None, nam
             _wait_ready(server)
         yield server
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _wait_ready(server: Server) -> None:
@@ -183,7 +183,8 @@ def _wait_ready(server: Server) -> None:
         time.sleep(0.5)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own process group: SIGTERM, then SIGKILL after 60 s."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

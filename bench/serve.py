@@ -25,7 +25,6 @@ import contextlib
 import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.demo import free_port
+from kvtier.bench.demo import free_port, stop_server
 from kvtier.bench.engine_proc import STEADY_MALLOC_ENV
 from kvtier.bench.harness import kv_transfer_config
 from kvtier.bench.models import ModelShape, build_model
@@ -138,7 +137,7 @@ def running_server(name: str, argv: list[str], port: int, work: Path) -> Iterato
         _wait_ready(server)
         yield server
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _wait_ready(server: Server) -> None:
@@ -156,18 +155,6 @@ def _wait_ready(server: Server) -> None:
                 f"{server.name}: vLLM not ready after {STARTUP_TIMEOUT_S:.0f} s:\n{server.log_tail()}"
             )
         time.sleep(0.5)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
