@@ -128,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     # `kvtier bench serve` writes its own section into the same file: keep it.
     previous = json.loads(out.read_text()) if out.exists() else {}
-    kept = {key: previous[key] for key in ("serve",) if key in previous}
-    out.write_text(json.dumps({**results, **kept}, indent=2) + "\n")
-    print(table(results))
+    merged = {**results, **{key: previous[key] for key in ("serve",) if key in previous}}
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    print(table(merged))
     print(f"\nwrote {out}")
     if not args.no_chart:
-        write_chart(results, Path(args.chart) if args.chart else out.with_suffix(".png"))
+        write_chart(merged, Path(args.chart) if args.chart else out.with_suffix(".png"))
     return 0
 
 
