@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from kvtier.connector.stats import merge_counts
 from kvtier.storage.base import NamespaceSpec, Tier
 from tests.e2e.oracle import assert_same_outputs
 from tests.e2e.service import RunningService, running_service
+from tests.reliability.conftest import wait_for
 from tests.support.redis_server import RedisClusterServers, RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -45,16 +46,6 @@ SETTINGS = dict(redis_timeout=5.0)
 def expected(tiny_model: str) -> Outputs:
     with running_engine(tiny_model, **NO_LOCAL_CACHE) as llm:
         return generate_each(llm, PROMPTS, MAX_TOKENS)
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30) -> Any:
-    """Poll check() until it returns a truthy value; fail naming `what` after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 def counts(llm: Any) -> dict[str, Any]:
@@ -78,7 +69,7 @@ def wait_stored(svc: RunningService, chunks: int) -> None:
         stats = svc.stats()
         return stats["write_queue_depth"] == 0 and stats["tiers"]["redis"]["stores"] >= chunks
 
-    wait_for(stored, f"{chunks} stores in Redis")
+    wait_for(stored, 30, f"{chunks} stores in Redis")
 
 
 def empty_cpu(svc: RunningService) -> None:
@@ -105,7 +96,7 @@ def wait_redis_healthy(svc: RunningService) -> None:
         svc.client.release("cluster-probe")
         return bool(svc.stats()["tiers"]["redis"]["healthy"])
 
-    wait_for(healthy, "service B's Redis tier to be healthy")
+    wait_for(healthy, 30, "service B's Redis tier to be healthy")
 
 
 def busiest_primary(cluster: RedisClusterServers) -> tuple[RedisServer, int]:
