@@ -38,7 +38,11 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV one token takes in bf16."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return self.kv_bytes_per_token_of(2)
+
+    def kv_bytes_per_token_of(self, itemsize: int) -> int:
+        """Bytes of KV one token takes with elements of itemsize bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 TINY = ModelShape()

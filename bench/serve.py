@@ -48,6 +48,10 @@ SHAPE = ModelShape(
     num_layers=4, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072
 )
 QUICK_SHAPE = replace(SHAPE, num_layers=2)
+# float32, not bf16: in bf16 the random model's greedy choices have near-ties of one rounding step,
+# which batching alone flips between runs of the same engine; the texts would then not tell kvtier's
+# loads apart from vLLM's batching.
+DTYPE, DTYPE_BYTES = "float32", 4
 QUICK = Workload(
     prefix_len=256, suffix_len=32, output_len=4, num_prefixes=8, prompts_per_prefix=2, concurrency=2
 )
@@ -103,7 +107,7 @@ def server_argv(model: str, port: int, workload: Workload, num_blocks: int, bloc
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--block-size", str(workload.block_size), "--enforce-eager",
+        "--dtype", DTYPE, "--block-size", str(workload.block_size), "--enforce-eager",
         "--seed", str(workload.seed), "--max-model-len", str(workload.max_model_len),
         "--enable-prefix-caching",
         "--kv-cache-memory-bytes", str(num_blocks * block_bytes),
@@ -233,7 +237,8 @@ def run_once(
     w = plan.workload
     num_blocks = sizing.ceiling_blocks if config == "ceiling" else sizing.constrained_blocks
     port = free_port()
-    argv = server_argv(model, port, w, num_blocks, w.block_size * plan.shape.kv_bytes_per_token)
+    block_bytes = w.block_size * plan.shape.kv_bytes_per_token_of(DTYPE_BYTES)
+    argv = server_argv(model, port, w, num_blocks, block_bytes)
     if config == "kvtier":
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config())]
     name = f"{config}-{index + 1}"
@@ -274,12 +279,13 @@ def measure(plan: Plan, work: Path) -> dict[str, Any]:
 
 
 def _setup(plan: Plan, sizing: KVSizing) -> dict[str, Any]:
-    kv = plan.shape.kv_bytes_per_token
+    kv = plan.shape.kv_bytes_per_token_of(DTYPE_BYTES)
     block_bytes = plan.workload.block_size * kv
     return {
         "runs": plan.runs,
         "quick": plan.quick,
         "model": asdict(plan.shape),
+        "dtype": DTYPE,
         "kv_bytes_per_token": kv,
         "workload": {**asdict(plan.workload), "num_prompts": plan.workload.num_prompts},
         "kv_blocks": {"constrained": sizing.constrained_blocks, "ceiling": sizing.ceiling_blocks},
