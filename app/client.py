@@ -148,10 +148,17 @@ class ServiceClient(ClientLoop):
         slots: list[SlotRef],
         instance_id: str = "",
         timeout: float | None = None,
+        block_hashes: list[list[bytes]] | None = None,
     ) -> Call[None]:
-        """Publish filled slots; with instance_id, fails with StaleInstance after a restart."""
+        """Publish filled slots; with instance_id, fails with StaleInstance after a restart.
+        block_hashes: each chunk's vLLM block hashes, named by the service's KV events."""
         msg = p.Commit(
-            id=next(self._ids), namespace=namespace, hashes=hashes, slots=slots, instance_id=instance_id
+            id=next(self._ids),
+            namespace=namespace,
+            hashes=hashes,
+            slots=slots,
+            instance_id=instance_id,
+            block_hashes=block_hashes or [],
         )
         return self._call(msg, timeout)
 

@@ -110,12 +110,16 @@ class Reserve(_Msg, tag="reserve"):
 
 
 class Commit(_Msg, tag="commit"):
-    """Publish filled slots; instance_id (when set) must match the service's or nothing happens."""
+    """Publish filled slots; instance_id (when set) must match the service's or nothing happens.
+
+    block_hashes: each chunk's vLLM block hashes in order (for KV events); empty when not sent.
+    """
 
     namespace: Name
     hashes: list[Hash]
     slots: Sequence[Slot]
     instance_id: Name = ""
+    block_hashes: list[list[Hash]] = []
 
 
 class Abort(_Msg, tag="abort"):

@@ -18,10 +18,10 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.app.address import Address, parse_url, resolve_url
 from kvtier.app.connection import Connection
@@ -31,15 +31,23 @@ from kvtier.app.service import Service
 from kvtier.app.settings import KVTierSettings, SettingsError, load_settings, log_ignored_env
 from kvtier.runtime.affinity import parse_cpus, run_on
 from kvtier.runtime.event_loop import new_event_loop
-from kvtier.storage.base import StorageError, StoreAPI
+from kvtier.storage.base import StorageError, StoreAPI, TierListener
 
 if TYPE_CHECKING:
     from kvtier.app.admin import AdminServer
+    from kvtier.app.events import EventRecorder
+    from kvtier.app.events_publisher import EventPublisher
 
 log = logging.getLogger("kvtier.server")
 
-StoreFactory = Callable[[KVTierSettings], Awaitable[StoreAPI]]
 WATCHDOG_PERIOD_S = 0.5
+
+
+class StoreFactory(Protocol):
+    """Builds the service's store; listener (KV events) is passed only when events are on."""
+
+    async def __call__(self, settings: KVTierSettings, listener: TierListener | None = None) -> StoreAPI:
+        """The store for these settings."""
 
 
 class ServeError(Exception):
@@ -60,11 +68,35 @@ class ServeOptions:
     log_stream: LogStream = "stderr"  # embedded: the stream vLLM logs to, so the lines interleave
 
 
-async def _default_store(settings: KVTierSettings) -> StoreAPI:
+async def _default_store(settings: KVTierSettings, listener: TierListener | None = None) -> StoreAPI:
     from kvtier.app.settings import storage_config
     from kvtier.storage.store import build_store  # imported late: storage pulls in the tier clients
 
-    return await build_store(storage_config(settings))
+    return await build_store(storage_config(settings), listener=listener)
+
+
+def _start_events(settings: KVTierSettings) -> tuple[EventPublisher, EventRecorder] | None:
+    """The KV-event publisher, bound, and its recorder, which has announced a fresh start
+    (AllBlocksCleared); None when events_url is empty (no socket at all)."""
+    if not settings.events_url:
+        return None
+    import zmq  # imported late: no zmq in a service without events
+
+    from kvtier.app.events import EventRecorder
+    from kvtier.app.events_publisher import EventPublisher
+
+    publisher = EventPublisher(settings.events_url, settings.events_replay_url)
+    try:
+        publisher.start()
+    except zmq.ZMQError as exc:
+        raise ServeError(
+            f"cannot bind KV events on events_url={settings.events_url} "
+            f"events_replay_url={settings.events_replay_url} (KVTIER_EVENTS_URL, "
+            f"KVTIER_EVENTS_REPLAY_URL): {exc}"
+        ) from exc
+    recorder = EventRecorder(publisher.publish, settings.events_hash_format)
+    recorder.cleared_all()  # what this node announced before its restart is void
+    return publisher, recorder
 
 
 def check_bind(address: Address, settings: KVTierSettings) -> None:
@@ -189,13 +221,20 @@ async def run_service(
     address = parse_url(options.url)
     check_bind(address, settings)
     stop = stop or asyncio.Event()
-    store = await store_factory(settings)
+    events = _start_events(settings)
+    try:
+        store = await (store_factory(settings) if events is None else store_factory(settings, events[1]))
+    except BaseException:
+        await _close_events(events)
+        raise
     service: Service | None = None
     server: asyncio.Server | None = None
     inode = 0
     admin: AdminServer | None = None
     try:
         service = Service(store, auth_token=settings.auth_token)
+        if events is not None:
+            events[1].namespaces = service.specs
         arena = store.arena_info()
         if options.state_file:  # before listening: whoever sees the socket may read it at once
             _write_state(options.state_file, {"pid": os.getpid(), "url": options.url, "arena": arena.path})
@@ -218,7 +257,17 @@ async def run_service(
             ready(service)
         await _serve_until(service, options, stop)
     finally:
-        await _shutdown(service, server, admin, store, (address, inode), options)
+        try:
+            await _shutdown(service, server, admin, store, (address, inode), options)
+        finally:
+            await _close_events(events)
+
+
+async def _close_events(events: tuple[EventPublisher, EventRecorder] | None) -> None:
+    """Send what the store's close announced, then close the sockets."""
+    if events is not None:
+        events[1].flush()
+        await events[0].close()
 
 
 async def _start_admin(service: Service, settings: KVTierSettings, embedded: bool) -> AdminServer | None:

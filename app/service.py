@@ -96,6 +96,7 @@ class Service:
         self._encoder = p.FrameEncoder()
         self._slots: dict[int, tuple[SlotRef, Connection]] = {}  # offset -> reserved slot, owner
         self._chunk_tokens: dict[str, int] = {}
+        self.specs: dict[str, NamespaceSpec] = {}  # registered namespaces, for stats and KV events
         self._closing: set[Connection] = set()  # dropped, with calls still in flight
         self._idle = asyncio.Event()
         self._idle.set()
@@ -276,6 +277,7 @@ class Service:
             spec: NamespaceSpec = msg.spec
             namespace = self.store.register(spec)
             self._chunk_tokens[namespace] = spec.chunk_size
+            self.specs[namespace] = spec
             chunk_bytes = spec.chunk_bytes
         return p.HelloOk(
             id=msg.id,
@@ -343,7 +345,9 @@ class Service:
     def _commit(self, conn: Connection, msg: p.Commit) -> p.Reply:
         start = time.perf_counter()
         hashes, slots = self._to_commit(msg)
-        if slots:
+        if slots and msg.block_hashes:
+            self.store.commit(msg.namespace, hashes, slots, self._covered(msg, hashes))
+        elif slots:
             self.store.commit(msg.namespace, hashes, slots)
             self._disown(slots)  # only now: a refused commit leaves them owned
         self.metrics.observe("commit", time.perf_counter() - start)
@@ -355,6 +359,16 @@ class Service:
                 "committed",
             )
         return p.OkReply(id=msg.id)
+
+    @staticmethod
+    def _covered(msg: p.Commit, hashes: list[bytes]) -> list[list[bytes]]:
+        """The block hashes of the chunks committed (hashes: msg's, less those not reserved)."""
+        if len(msg.block_hashes) != len(msg.hashes):
+            raise CallError(p.ErrorCode.BAD_REQUEST, "commit needs one block hash list per chunk")
+        if hashes is msg.hashes:
+            return msg.block_hashes
+        by_hash = dict(zip(msg.hashes, msg.block_hashes, strict=True))
+        return [by_hash[h] for h in hashes]
 
     def _to_commit(self, msg: p.Commit) -> tuple[list[bytes], list[SlotRef]]:
         """The hashes and reserved SlotRefs of a commit, leaving out slots no longer reserved."""
@@ -437,6 +451,19 @@ class Service:
         """The `kvtier stats --json` object."""
         out = stats_dict(self.store.stats(), self.metrics, self.instance_id)
         out["engines"] = self.engines()
+        out["namespace_specs"] = {
+            ns: {
+                "model": s.model,
+                "block_size": s.block_size,
+                "chunk_size": s.chunk_size,
+                "tp_rank": s.tp_rank,
+                "tp_size": s.tp_size,
+                "pp_rank": s.pp_rank,
+                "pp_size": s.pp_size,
+                "hash_algo": s.hash_algo,
+            }
+            for ns, s in sorted(self.specs.items())
+        }
         return out
 
     def engines(self) -> list[dict[str, Any]]:

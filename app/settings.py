@@ -19,7 +19,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import ByteSize, Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvtier.storage.config import DiskConfig, RedisConfig, StorageConfig, StoreConfig, redact_url
@@ -43,6 +43,7 @@ _OTHER_SERVICE_LINK = re.compile(ENV_PREFIX + r"[A-Z0-9_]+_" + _LINK_SUFFIX)
 log = logging.getLogger("kvtier.settings")
 
 SERVICE_SCHEMES = ("unix", "tcp")
+EVENTS_SCHEMES = ("tcp", "ipc")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
@@ -110,6 +111,26 @@ class KVTierSettings(BaseSettings):
         0, ge=0, le=65535, description="Port of the admin HTTP server (/health /metrics /stats)."
     )
     admin_host: str = Field("127.0.0.1", description="Address the admin HTTP server binds.")
+    events_url: str = Field(
+        "",
+        description=(
+            "ZMQ PUB endpoint the service binds for KV events in vLLM's format (tcp://host:port or "
+            "ipc:///path); empty = no events, no socket. See docs/events.md."
+        ),
+    )
+    events_replay_url: str = Field(
+        "",
+        description=(
+            "ZMQ ROUTER endpoint the service binds for replays of missed event batches; needs "
+            "events_url; empty = no replay."
+        ),
+    )
+    events_hash_format: Literal["int", "bytes"] = Field(
+        "int",
+        description=(
+            "Block hashes in events: 'int' (low 64 bits, vLLM's default) or 'bytes' (the whole hash)."
+        ),
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level of the service, and of kvtier's lines in vLLM's log."
     )
@@ -144,6 +165,33 @@ class KVTierSettings(BaseSettings):
             raise ValueError("unix:// needs a socket path, e.g. unix:///run/kvtier/kvtier.sock")
         if parts.scheme == "tcp" and (not parts.hostname or parts.port is None):
             raise ValueError("tcp:// needs host and port, e.g. tcp://127.0.0.1:7711")
+        return value
+
+    @field_validator("events_url", "events_replay_url")
+    @classmethod
+    def _check_events_url(cls, value: str, info: ValidationInfo) -> str:
+        if not value:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in EVENTS_SCHEMES:
+            raise ValueError(
+                f"a ZMQ endpoint must start with one of {', '.join(s + '://' for s in EVENTS_SCHEMES)}"
+            )
+        if parts.scheme == "ipc" and not (parts.netloc + parts.path):
+            raise ValueError("ipc:// needs a path, e.g. ipc:///run/kvtier/events")
+        if parts.scheme == "tcp":
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if not parts.hostname or port is None:
+                raise ValueError("tcp:// needs host and port, e.g. tcp://127.0.0.1:5557 or tcp://*:5557")
+        if info.field_name == "events_replay_url":
+            events_url = info.data.get("events_url")
+            if not events_url:
+                raise ValueError("a replay endpoint needs events_url (KVTIER_EVENTS_URL) as well")
+            if events_url == value:
+                raise ValueError("must differ from events_url: the two sockets cannot share an endpoint")
         return value
 
     @field_validator("redis_url")

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, Protocol, overload, runtime_checkable
 import msgspec
 
 # 2: the payload checksum is taken over segments (codec.SEGMENT), so readers verify on several threads.
-BLOB_FORMAT_VERSION = 2
+# 3: a trailer after the payload names the vLLM block hashes the chunk covers (KV events after a restart).
+BLOB_FORMAT_VERSION = 3
 
 
 class Tier(enum.IntEnum):
@@ -311,8 +312,9 @@ class LowerTier(Protocol):
     async def contains_many(self, keys: list[ChunkKey]) -> list[bool]:
         """Whether each key is stored (batched: one round trip per shard or one index pass)."""
 
-    async def put(self, key: ChunkKey, payload: memoryview) -> bool:
-        """Store the payload under key (header added by the tier); False when it could not."""
+    async def put(self, key: ChunkKey, payload: memoryview, covered: Sequence[bytes] = ()) -> bool:
+        """Store the payload under key (header added by the tier); False when it could not.
+        covered: the vLLM block hashes of the chunk, in order, when known (told to the listener)."""
 
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
         """Read the payload of key into dest (exact length) and verify it; False on miss or error."""
@@ -331,6 +333,25 @@ class LowerTier(Protocol):
 
     async def close(self) -> None:
         """Release connections, threads and files."""
+
+
+class TierListener(Protocol):
+    """Told of every chunk that enters or leaves a tier (the service's KV events), on the event loop.
+
+    A tier holding no listener (None, the default) pays nothing. ``covered`` holds, per key, the vLLM
+    block hashes the chunk covers in order, or an empty sequence where the tier does not know them
+    (the listener then names them from an earlier call for the same key). A listener must not raise,
+    and may be told of a key it already knows as stored or removed (it keeps the state, not the calls).
+    """
+
+    def stored(self, tier: Tier, keys: Sequence[ChunkKey], covered: Sequence[Sequence[bytes]]) -> None:
+        """These chunks are now held by tier."""
+
+    def removed(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
+        """These chunks are no longer held by tier (a key it did not hold is ignored)."""
+
+    def cleared(self, tier: Tier) -> None:
+        """tier holds nothing now."""
 
 
 @runtime_checkable
@@ -390,8 +411,15 @@ class StoreAPI(Protocol):
     def reserve(self, namespace: str, hashes: list[bytes]) -> list[SlotRef | None]:
         """A slot to fill for each key; None where the chunk is already stored or no space is left."""
 
-    def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
-        """Publish filled slots into the CPU tier and queue them for lower tiers by the write policy."""
+    def commit(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        slots: list[SlotRef],
+        covered: Sequence[Sequence[bytes]] = (),
+    ) -> None:
+        """Publish filled slots into the CPU tier and queue them for lower tiers by the write policy;
+        covered: each chunk's vLLM block hashes when known (kept with the chunk for KV events)."""
 
     def abort(self, slots: list[SlotRef]) -> None:
         """Give reserved slots back unfilled."""
@@ -401,6 +429,9 @@ class StoreAPI(Protocol):
 
     async def clear(self, tiers: list[Tier]) -> int:
         """Drop every unleased chunk from the named tiers; returns how many were dropped."""
+
+    async def held(self, namespace: str, hashes: list[bytes]) -> dict[Tier, list[bool]]:
+        """Whether each tier holds each chunk; no lease, no recency (the routers' lookup)."""
 
     def stats(self) -> StoreStats:
         """Counters of every tier, leases and slots."""

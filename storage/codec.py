@@ -5,13 +5,15 @@ Layout, little-endian::
     fixed header (36 bytes)
         magic            4s   b"KVTB"
         version          u16  base.BLOB_FORMAT_VERSION
-        flags            u16  0 (reserved; a reader rejects anything else)
+        trailer length   u16  bytes of the trailer after the payload (0: none)
         key echo length  u32
         payload length   u64
         payload checksum u64  checksum() of the payload: see SEGMENT
         header checksum  u64  xxh3_64 of the 28 bytes above plus the key echo
     key echo             keys.key_echo(key)
     payload              raw bytes
+    trailer (optional)   the vLLM block hashes the chunk covers: per hash u8 length and its bytes,
+                         then u64 xxh3_64 of those bytes (read by the disk scan, never by a load)
 
 The header checks itself, so a reader can read and validate the header alone, then read the payload
 straight into its destination buffer and verify it there (no intermediate copy). Every mismatch raises
@@ -36,6 +38,7 @@ MAGIC = b"KVTB"
 _FIXED = struct.Struct("<4sHHIQQ")
 _CHECK = struct.Struct("<Q")
 _WHOLE = struct.Struct("<4sHHIQQQ")  # _FIXED then _CHECK, read in one go
+MAX_TRAILER_LEN = 0xFFFF  # the header's u16
 FIXED_HEADER_SIZE = _FIXED.size + _CHECK.size  # 36
 # Bounds that keep a corrupt length field from making a reader allocate or wait for absurd sizes.
 MAX_ECHO_LEN = 1024
@@ -49,6 +52,7 @@ class BlobHeader:
     echo: bytes
     payload_len: int
     checksum: int
+    trailer_len: int = 0
 
     @property
     def size(self) -> int:
@@ -57,8 +61,8 @@ class BlobHeader:
 
     @property
     def blob_size(self) -> int:
-        """Bytes of the whole blob: header plus payload."""
-        return self.size + self.payload_len
+        """Bytes of the whole blob: header, payload and trailer."""
+        return self.size + self.payload_len + self.trailer_len
 
 
 # The payload checksum is xxh3_64 of the payload's segment digests: every SEGMENT bytes (the last
@@ -139,18 +143,61 @@ def header_size(key: ChunkKey) -> int:
     return FIXED_HEADER_SIZE + len(key_echo(key))
 
 
-def encode_header(key: ChunkKey, payload: Buffer, payload_checksum: int | None = None) -> bytes:
-    """The header for payload stored under key; pass payload_checksum when already computed."""
+def encode_header(
+    key: ChunkKey, payload: Buffer, payload_checksum: int | None = None, trailer_len: int = 0
+) -> bytes:
+    """The header for payload stored under key; pass payload_checksum when already computed, and
+    the length of the trailer (encode_trailer) that follows the payload, if any."""
+    if not 0 <= trailer_len <= MAX_TRAILER_LEN:
+        raise ValueError(f"a trailer of {trailer_len} bytes: at most {MAX_TRAILER_LEN} fit a blob")
     echo = key_echo(key)
     size = memoryview(payload).nbytes
     digest = checksum(payload) if payload_checksum is None else payload_checksum
-    fixed = _FIXED.pack(MAGIC, BLOB_FORMAT_VERSION, 0, len(echo), size, digest)
+    fixed = _FIXED.pack(MAGIC, BLOB_FORMAT_VERSION, trailer_len, len(echo), size, digest)
     return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed + echo)) + echo
 
 
-def encode(key: ChunkKey, payload: Buffer) -> bytes:
+def encode_trailer(covered: Sequence[bytes]) -> bytes:
+    """The trailer naming covered (the chunk's block hashes), b"" for none; ValueError past the
+    u16 length the header holds, or for a hash over 255 bytes."""
+    if not covered:
+        return b""
+    parts = bytearray()
+    for block_hash in covered:
+        if not 0 < len(block_hash) <= 0xFF:
+            raise ValueError(f"a block hash of {len(block_hash)} bytes: 1 to 255 fit a trailer")
+        parts.append(len(block_hash))
+        parts += block_hash
+    trailer = bytes(parts) + _CHECK.pack(xxhash.xxh3_64_intdigest(parts))
+    if len(trailer) > MAX_TRAILER_LEN:
+        raise ValueError(f"{len(covered)} block hashes make a trailer over {MAX_TRAILER_LEN} bytes")
+    return trailer
+
+
+def decode_trailer(trailer: Buffer) -> list[bytes]:
+    """The block hashes a trailer names; BlobError when it is damaged."""
+    view = memoryview(trailer).cast("B")
+    if not view.nbytes:
+        return []
+    if view.nbytes < _CHECK.size:
+        raise BlobError(f"a trailer of {view.nbytes} bytes is shorter than its checksum")
+    body = bytes(view[: -_CHECK.size])
+    if xxhash.xxh3_64_intdigest(body) != _CHECK.unpack_from(view, view.nbytes - _CHECK.size)[0]:
+        raise BlobError("trailer checksum mismatch")
+    hashes, at = [], 0
+    while at < len(body):
+        end = at + 1 + body[at]
+        if end > len(body) or body[at] == 0:
+            raise BlobError("trailer entry runs past its end")
+        hashes.append(body[at + 1 : end])
+        at = end
+    return hashes
+
+
+def encode(key: ChunkKey, payload: Buffer, covered: Sequence[bytes] = ()) -> bytes:
     """A whole blob in one bytes object (tests and small values; tiers send header and payload apart)."""
-    return encode_header(key, payload) + bytes(payload)
+    trailer = encode_trailer(covered)
+    return encode_header(key, payload, trailer_len=len(trailer)) + bytes(payload) + trailer
 
 
 def _check_prefix(magic: bytes, echo_len: int) -> None:
@@ -169,7 +216,7 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
     if view.nbytes < FIXED_HEADER_SIZE:
         raise BlobError(f"truncated header: {view.nbytes} of {FIXED_HEADER_SIZE} fixed bytes")
     # One unpack of all 36 fixed bytes: this runs on every read, where microseconds show.
-    magic, version, flags, echo_len, size, digest, stored_check = _WHOLE.unpack_from(view)
+    magic, version, trailer_len, echo_len, size, digest, stored_check = _WHOLE.unpack_from(view)
     _check_prefix(magic, echo_len)
     end = FIXED_HEADER_SIZE + echo_len
     if view.nbytes < end:
@@ -179,13 +226,11 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
         raise BlobError("header checksum mismatch")
     if version != BLOB_FORMAT_VERSION:
         raise BlobFormatError(f"format version {version}, this build reads {BLOB_FORMAT_VERSION}")
-    if flags != 0:
-        raise BlobError(f"unknown header flags {flags:#x}")
     if size > MAX_PAYLOAD_LEN:
         raise BlobError(f"payload length {size} exceeds {MAX_PAYLOAD_LEN}")
     if key is not None and echo != key_echo(key):
         raise BlobError(f"key echo {echo!r} belongs to another key than {key_echo(key)!r}")
-    return BlobHeader(echo=echo, payload_len=int(size), checksum=int(digest))
+    return BlobHeader(echo=echo, payload_len=int(size), checksum=int(digest), trailer_len=int(trailer_len))
 
 
 def verify_payload(header: BlobHeader, payload: Buffer) -> None:
@@ -203,6 +248,7 @@ def decode(blob: Buffer, key: ChunkKey) -> memoryview:
     header = parse_header(view, key)
     if view.nbytes != header.blob_size:
         raise BlobError(f"blob is {view.nbytes} bytes, header says {header.blob_size}")
-    payload = view[header.size :]
+    payload = view[header.size : header.size + header.payload_len]
     verify_payload(header, payload)
+    decode_trailer(view[header.size + header.payload_len :])
     return payload

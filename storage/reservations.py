@@ -100,13 +100,21 @@ class Reservations:
         return slots
 
     # ------------------------------------------------------------------------------ commit, abort
-    def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
-        """Publish filled slots into the CPU tier; queue them for lower tiers per write policy."""
-        if len(hashes) != len(slots):
-            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots")
+    def commit(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        slots: list[SlotRef],
+        covered: Sequence[Sequence[bytes]] = (),
+    ) -> None:
+        """Publish filled slots into the CPU tier (with each chunk's block hashes, when covered names
+        them); queue them for lower tiers per write policy."""
+        if len(hashes) != len(slots) or (covered and len(covered) != len(hashes)):
+            raise ValueError(f"{len(hashes)} hashes but {len(slots)} slots and {len(covered)} hash lists")
         keys = self._check_reserved(slots, namespace, hashes)
         self._unreserve(slots)
-        entries = self._cpu.commit_many(keys, slots, checked=True)  # reserved: allocated, uncommitted
+        # Reserved slots are allocated and uncommitted: checked.
+        entries = self._cpu.commit_many(keys, slots, checked=True, covered=covered)
         if self._write_through:
             for entry in entries:
                 self.persist(entry)
@@ -167,7 +175,7 @@ class Reservations:
         if entry is None or entry.persisted or self._writeback is None:
             return
         self._cpu.pin(entry.slot)
-        if self._writeback.offer(entry.key, entry.slot):
+        if self._writeback.offer(entry.key, entry.slot, entry.covered):
             entry.persisted = True
         else:
             self._cpu.unpin(entry.slot)

@@ -42,6 +42,7 @@ from kvtier.storage.base import (
     StorageError,
     StoreStats,
     Tier,
+    TierListener,
     UnknownNamespaceError,
 )
 from kvtier.storage.config import StorageConfig, StoreConfig
@@ -67,10 +68,12 @@ class TieredStore:
         lower: Sequence[LowerTier] = (),
         config: StoreConfig | None = None,
         clock: Clock = time.monotonic,
+        listener: TierListener | None = None,
     ) -> None:
         cfg = config or StoreConfig()
         self._arena = arena
-        self._cpu = CpuTier(SlotAllocator(arena.size))
+        # The lower tiers take their listener when built (the disk index loads from their start()).
+        self._cpu = CpuTier(SlotAllocator(arena.size), listener)
         self._lower = sorted(lower, key=lambda t: t.tier)
         self._tier_of: dict[Tier, LowerTier] = {t.tier: t for t in self._lower}
         if len(self._tier_of) != len(self._lower) or Tier.CPU in self._tier_of:
@@ -358,10 +361,17 @@ class TieredStore:
         self._expire()  # the chunks of expired leases may make room
         return self._saves.reserve(namespace, hashes, chunk_bytes)
 
-    def commit(self, namespace: str, hashes: list[bytes], slots: list[SlotRef]) -> None:
-        """Publish filled slots into the CPU tier; queue them for lower tiers per write policy."""
+    def commit(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        slots: list[SlotRef],
+        covered: Sequence[Sequence[bytes]] = (),
+    ) -> None:
+        """Publish filled slots into the CPU tier; queue them for lower tiers per write policy.
+        covered: each chunk's vLLM block hashes, when known (kept with the chunk for KV events)."""
         self._chunk_bytes_of(namespace)
-        self._saves.commit(namespace, hashes, slots)
+        self._saves.commit(namespace, hashes, slots, covered)
 
     def abort(self, slots: list[SlotRef]) -> None:
         """Give reserved slots back unfilled."""
@@ -411,6 +421,17 @@ class TieredStore:
                 log.warning("tier %s cannot be cleared", tier.tier.label)
         return dropped
 
+    async def held(self, namespace: str, hashes: list[bytes]) -> dict[Tier, list[bool]]:
+        """Whether each tier holds each chunk of hashes, taking no lease and changing no recency
+        (a router's question; the namespace need not be registered). A lower tier that cannot
+        answer holds none."""
+        self._check_open()
+        out = {Tier.CPU: [e is not None for e in self._cpu.entries(namespace, hashes)]}
+        keys = chunk_keys(namespace, hashes)
+        for tier in self._lower:
+            out[tier.tier] = await self._contains(tier, keys)
+        return out
+
     async def flush(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 (a wait budget)
         """Wait until every queued lower-tier write finished; False when timeout passed first."""
         self._check_open()
@@ -459,22 +480,26 @@ class TieredStore:
             self._arena.close()
 
 
-async def build_store(config: StorageConfig, clock: Clock = time.monotonic) -> TieredStore:
-    """The store the config describes: arena in shm_dir, disk and Redis tiers when configured."""
+async def build_store(
+    config: StorageConfig, clock: Clock = time.monotonic, listener: TierListener | None = None
+) -> TieredStore:
+    """The store the config describes: arena in shm_dir, disk and Redis tiers when configured;
+    listener (KV events) is told of every chunk that enters or leaves any tier, the disk index's
+    load included."""
     arena = Arena.create(config.shm_dir, config.cpu_size)
     lower: list[Any] = []
     try:
         if config.disk is not None:
             from kvtier.storage.tiers.disk import DiskTier
 
-            lower.append(DiskTier(config.disk))
+            lower.append(DiskTier(config.disk, listener=listener))
             await lower[-1].start()
         if config.redis is not None:
             from kvtier.storage.tiers.redis import RedisTier
 
-            lower.append(RedisTier(config.redis))
+            lower.append(RedisTier(config.redis, listener=listener))
             await lower[-1].start()
-        return TieredStore(arena, lower, config.store, clock)
+        return TieredStore(arena, lower, config.store, clock, listener)
     except BaseException:
         for tier in lower:
             with contextlib.suppress(Exception):

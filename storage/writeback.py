@@ -31,6 +31,7 @@ DoneFn = Callable[[ChunkKey, SlotRef], None]
 class _Item:
     key: ChunkKey
     slot: SlotRef
+    covered: Sequence[bytes] = ()  # the chunk's block hashes, for the tiers' listener and trailers
     cancelled: bool = False  # deleted while queued: skip it, or undo it once written
 
 
@@ -68,14 +69,15 @@ class WriteBack:
         """True while key is queued or being written."""
         return key in self._pending
 
-    def offer(self, key: ChunkKey, slot: SlotRef) -> bool:
-        """Queue key's slot for writing without waiting; False (and counted) when full or closed."""
+    def offer(self, key: ChunkKey, slot: SlotRef, covered: Sequence[bytes] = ()) -> bool:
+        """Queue key's slot (and the block hashes it covers) for writing without waiting; False (and
+        counted) when full or closed."""
         if key in self._pending:
             return False
         if self._closed:
             self.dropped += 1
             return False
-        item = _Item(key, slot)
+        item = _Item(key, slot, covered)
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
@@ -142,9 +144,12 @@ class WriteBack:
             return
         view = self._view(item.slot)
         try:
-            results = await asyncio.gather(
-                *(tier.put(item.key, view) for tier in self._tiers), return_exceptions=True
-            )
+            # Hashes only when known: a tier of the old two-argument form still takes the rest.
+            puts = [
+                tier.put(item.key, view, item.covered) if item.covered else tier.put(item.key, view)
+                for tier in self._tiers
+            ]
+            results = await asyncio.gather(*puts, return_exceptions=True)
         finally:
             with contextlib.suppress(BufferError):  # a tier kept an export past its call
                 view.release()

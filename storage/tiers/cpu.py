@@ -23,7 +23,15 @@ from typing import cast
 import msgspec
 
 from kvtier.storage.arena import SlotAllocator
-from kvtier.storage.base import PACKED_OFFSET, ChunkKey, SlotRef, SlotStateError, Tier, TierStats
+from kvtier.storage.base import (
+    PACKED_OFFSET,
+    ChunkKey,
+    SlotRef,
+    SlotStateError,
+    Tier,
+    TierListener,
+    TierStats,
+)
 from kvtier.storage.eviction import LRUPolicy
 
 
@@ -39,6 +47,7 @@ class CpuEntry(msgspec.Struct, eq=False, gc=False):
     pins: int = 0
     persisted: bool = False  # queued for, or read from, the lower tiers: never queue it again
     indexed: bool = True  # False once deleted or replaced while still pinned
+    covered: Sequence[bytes] = ()  # the chunk's vLLM block hashes, when its commit named them
 
 
 # C-level getters for map(): batches of chunks cost no Python frame per chunk.
@@ -55,8 +64,9 @@ class CpuTier:
 
     tier = Tier.CPU
 
-    def __init__(self, allocator: SlotAllocator) -> None:
+    def __init__(self, allocator: SlotAllocator, listener: TierListener | None = None) -> None:
         self._alloc = allocator
+        self.listener = listener  # told of every chunk indexed or unindexed (KV events)
         self._index: dict[str, dict[bytes, CpuEntry]] = {}  # namespace -> prefix hash -> entry
         self._count = 0
         self._by_offset: dict[int, CpuEntry] = {}
@@ -156,7 +166,10 @@ class CpuTier:
             return
         self._lru.remove_many(victims)
         slots = [e.slot for e in victims]  # comprehensions: 3.11 reads slot attributes fastest inline
-        self._unindex([e.key for e in victims], slots)
+        keys = [e.key for e in victims]
+        self._unindex(keys, slots)
+        if self.listener is not None:
+            self.listener.removed(Tier.CPU, keys)
         for entry in victims:
             entry.indexed = False
         room = count - len(out)
@@ -205,19 +218,25 @@ class CpuTier:
         *,
         persisted: bool = False,
         checked: bool = False,
+        covered: Sequence[Sequence[bytes]] = (),
     ) -> list[CpuEntry]:
         """commit() each key with its slot, in order; returns each key's entry.
 
         checked: the caller has made sure every slot is allocated and not committed (the store's
-        reservations are), so it is not checked again chunk by chunk.
+        reservations are), so it is not checked again chunk by chunk. covered: each chunk's block
+        hashes (or nothing), kept with a new entry.
         """
-        if len(keys) != len(slots):
-            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
-        fresh = self._commit_fresh(keys, slots, persisted) if checked else None
-        return fresh if fresh is not None else self._commit_each(keys, slots, persisted)
+        if len(keys) != len(slots) or (covered and len(covered) != len(keys)):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots and {len(covered)} hash lists")
+        fresh = self._commit_fresh(keys, slots, persisted, covered) if checked else None
+        return fresh if fresh is not None else self._commit_each(keys, slots, persisted, covered)
 
     def _commit_fresh(
-        self, keys: Sequence[ChunkKey], slots: Sequence[SlotRef], persisted: bool
+        self,
+        keys: Sequence[ChunkKey],
+        slots: Sequence[SlotRef],
+        persisted: bool,
+        covered: Sequence[Sequence[bytes]],
     ) -> list[CpuEntry] | None:
         """commit_many() of checked slots in C-level passes, when the keys are of one namespace,
         each new and once, and the slots of one length (a save); None, having done nothing, else."""
@@ -235,13 +254,19 @@ class CpuTier:
             return None
         offsets = list(map(_offset_of, slots))
         fresh = list(map(CpuEntry, keys, slots, map(pack_offset, offsets), repeat(0), repeat(persisted)))
+        for entry, hashes_of in zip(fresh, covered, strict=False):  # nothing to do without them
+            entry.covered = hashes_of
         self._index.setdefault(namespace, {}).update(zip(hashes, fresh, strict=True))
         self._by_offset.update(zip(offsets, fresh, strict=True))
         self._publish(fresh[:])  # _publish empties the list it is given
         return fresh
 
     def _commit_each(
-        self, keys: Sequence[ChunkKey], slots: Sequence[SlotRef], persisted: bool
+        self,
+        keys: Sequence[ChunkKey],
+        slots: Sequence[SlotRef],
+        persisted: bool,
+        covered: Sequence[Sequence[bytes]],
     ) -> list[CpuEntry]:
         """commit_many(), chunk by chunk: checks every slot, and handles keys held already."""
         alloc, by_offset = self._alloc, self._by_offset
@@ -249,7 +274,7 @@ class CpuTier:
         fresh: list[CpuEntry] = []  # new entries of one length, put in the LRU order together
         length = -1
         namespace, chunks = None, {}  # a batch has one namespace: look its index up once
-        for key, slot in zip(keys, slots, strict=True):
+        for at, (key, slot) in enumerate(zip(keys, slots, strict=True)):
             if not alloc.is_allocated(slot) or slot.offset in by_offset:
                 self._publish(fresh)
                 raise SlotStateError(f"{slot} is not a reserved slot")
@@ -266,6 +291,8 @@ class CpuTier:
                 self._publish(fresh)
                 length = slot.length
             entry = CpuEntry(key, slot, pack_offset(slot.offset), 0, persisted)
+            if covered:
+                entry.covered = covered[at]
             chunks[key.prefix_hash] = entry
             by_offset[slot.offset] = entry
             fresh.append(entry)
@@ -283,6 +310,8 @@ class CpuTier:
         self._bytes += n * length
         self._stats.stores += n
         self._stats.bytes_written += n * length
+        if self.listener is not None:
+            self.listener.stored(Tier.CPU, [e.key for e in fresh], [e.covered for e in fresh])
         fresh.clear()
 
     def pin(self, slot: SlotRef) -> None:
@@ -338,6 +367,8 @@ class CpuTier:
         if entry.pins == 0:
             del self._by_offset[entry.slot.offset]
             self._alloc.free(entry.slot)
+        if self.listener is not None:
+            self.listener.removed(Tier.CPU, [entry.key])
 
     def clear(self) -> int:
         """Drop every unpinned chunk; returns how many were dropped."""

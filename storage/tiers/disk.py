@@ -35,14 +35,14 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import islice
 from typing import Any, TypeVar
 
 from kvtier.runtime.handoff import IOThreads, Job
 from kvtier.storage import codec
-from kvtier.storage.base import ChunkKey, Tier, TierStats
+from kvtier.storage.base import ChunkKey, Tier, TierListener, TierStats
 from kvtier.storage.config import DiskConfig
 from kvtier.storage.tiers.disk_files import BlobFiles, DiskIO, ScanReport, error_kind
 from kvtier.storage.tiers.disk_index import DiskIndex, IndexLoad, ScanBatch, order_by_mtime
@@ -63,13 +63,16 @@ class DiskTier:
 
     tier = Tier.DISK
 
-    def __init__(self, config: DiskConfig, io: DiskIO | None = None) -> None:
+    def __init__(
+        self, config: DiskConfig, io: DiskIO | None = None, listener: TierListener | None = None
+    ) -> None:
         if not config.path:
             raise ValueError("DiskTier needs a directory (setting disk_path, KVTIER_DISK_PATH)")
         self.root = os.path.abspath(config.path)
         self.capacity = config.capacity
         self.files = BlobFiles(self.root, io or DiskIO(), config.fsync)
         self.last_scan = ScanReport()
+        self.listener = listener  # told of every chunk indexed or unindexed (KV events)
         self._index = DiskIndex()
         self._ids = self._index.ids
         self._load: IndexLoad | None = None  # the books of the index's load, while it runs
@@ -102,7 +105,11 @@ class DiskTier:
         if self._load is not None:
             self._load.dropped.add(self._ids.compact(key))
         compact = self._index.find(key)
-        return compact is not None and self._index.pop(compact) is not None
+        if compact is None or self._index.pop(compact) is None:
+            return False
+        if self.listener is not None:
+            self.listener.removed(Tier.DISK, [key])
+        return True
 
     def _touch(self, compact: bytes) -> None:
         if self._index.touch(compact) and self._load is not None:
@@ -161,7 +168,12 @@ class DiskTier:
         """Merge one scan job's findings into the index, and remove the files it says to."""
         report.add(part)
         writing = {self._ids.compact(k) for k in self._writing}
-        remove = load.merge(self._index, batch, writing)
+        indexed: list[int] | None = None if self.listener is None else []
+        remove = load.merge(self._index, batch, writing, indexed)
+        if self.listener is not None and indexed:
+            key_of = self._ids.key_of
+            keys = [key_of(batch.keys[i]) for i in indexed]
+            self.listener.stored(Tier.DISK, keys, [batch.covered[i] for i in indexed])
         if remove:
             await self._remove([self._ids.key_of(c) for c in remove], self._scanners)
 
@@ -196,13 +208,14 @@ class DiskTier:
         find, doomed = self._index.find, self._book.is_doomed
         return [find(key) is not None and not doomed(key) for key in keys]
 
-    async def put(self, key: ChunkKey, payload: memoryview) -> bool:
-        """Write header and payload to a temp file, rename it in; False on any failure or no room."""
+    async def put(self, key: ChunkKey, payload: memoryview, covered: Sequence[bytes] = ()) -> bool:
+        """Write header, payload and covered block hashes (the trailer) to a temp file, rename it in;
+        False on any failure or no room."""
         compact = self._index.find(key)
         if compact is not None and not self._book.is_doomed(key):
             self._touch(compact)
             return True
-        job = self._writing.get(key) or self._start_write(key, payload)
+        job = self._writing.get(key) or self._start_write(key, payload, covered)
         if job is None:
             return False
         try:
@@ -212,10 +225,15 @@ class DiskTier:
             return False
         return True
 
-    def _start_write(self, key: ChunkKey, payload: memoryview) -> Job[None] | None:
+    def _start_write(self, key: ChunkKey, payload: memoryview, covered: Sequence[bytes]) -> Job[None] | None:
         """Reserve room and queue the write; None (counted) when it cannot fit."""
         view = memoryview(payload).cast("B")
-        size = codec.header_size(key) + view.nbytes
+        try:
+            trailer = codec.encode_trailer(covered)
+        except ValueError:  # hashes no trailer can hold: the chunk is stored without them
+            self._stats.count_error("trailer")
+            trailer, covered = b"", ()
+        size = codec.header_size(key) + view.nbytes + len(trailer)
         if size > self.capacity:
             self._stats.count_error("too_large")
             return None
@@ -224,9 +242,9 @@ class DiskTier:
             self._stats.count_error("full")
             return None
         evict = [self.path_of(k) for k in victims]
-        hook = partial(self._wrote, key, size, view.nbytes)
+        hook = partial(self._wrote, key, size, view.nbytes, covered)
         try:
-            job = self._writers.submit(self.files.write, key, view, evict, hook=hook)
+            job = self._writers.submit(self.files.write, key, view, evict, trailer, hook=hook)
         except RuntimeError as exc:  # the tier was closed meanwhile
             self._stats.count_error(error_kind(exc))
             return None
@@ -237,7 +255,13 @@ class DiskTier:
         return job
 
     def _wrote(
-        self, key: ChunkKey, size: int, nbytes: int, _value: None, error: BaseException | None
+        self,
+        key: ChunkKey,
+        size: int,
+        nbytes: int,
+        covered: Sequence[bytes],
+        _value: None,
+        error: BaseException | None,
     ) -> None:
         """Settle a write's bookkeeping on the loop, before any putter wakes."""
         self._reserved -= size
@@ -252,6 +276,8 @@ class DiskTier:
             self._load.stored(compact)
         self._stats.stores += 1
         self._stats.bytes_written += nbytes
+        if self.listener is not None:
+            self.listener.stored(Tier.DISK, [key], [covered])
 
     def _pick_victims(self, need: int) -> list[ChunkKey] | None:
         """Unindex least recently used unpinned keys until need more bytes fit, then more while they
@@ -279,7 +305,10 @@ class DiskTier:
             index.pop(compact)
             self._book.forget(key)
         self._stats.evictions += len(victims)
-        return [key for _, key in victims]
+        keys = [key for _, key in victims]
+        if self.listener is not None and keys:
+            self.listener.removed(Tier.DISK, keys)
+        return keys
 
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
         """Read key's payload straight into dest and verify it; False on miss, error or corruption."""
@@ -314,6 +343,8 @@ class DiskTier:
             return
         if self._book.pinned(key):
             self._book.doom(key)
+            if self.listener is not None and self._index.find(key) is not None:
+                self.listener.removed(Tier.DISK, [key])  # hidden from lookups from now on
             return
         self._drop(key)
         await self._remove([key])

@@ -218,7 +218,7 @@ class BlobFiles:
             return
         compact = prefix_of(key.namespace) + key.prefix_hash
         try:
-            size, mtime = self.check_file(path, key)
+            size, mtime, covered = self.check_file(path, key)
         except BlobFormatError:
             # No namespace of this build names it: unindexed, it would hold disk_size's space.
             report.outdated_removed += 1
@@ -236,11 +236,13 @@ class BlobFiles:
         batch.keys.append(compact)
         batch.sizes.append(size)
         batch.mtimes.append(mtime)
+        batch.covered.append(covered)
         report.chunks += 1
         report.bytes += size
 
-    def check_file(self, path: str, key: ChunkKey) -> tuple[int, float]:
-        """Validate the header and length of one file (the payload is verified on every read)."""
+    def check_file(self, path: str, key: ChunkKey) -> tuple[int, float, list[bytes]]:
+        """Validate the header, length and trailer of one file (the payload is verified on every
+        read); returns its size, mtime and the block hashes its trailer names."""
         fd = self.io.open_read(path)
         try:
             buf = bytearray(codec.header_size(key))
@@ -249,7 +251,11 @@ class BlobFiles:
             st = self.io.stat(fd)
             if st.st_size != header.blob_size:
                 raise BlobError(f"file is {st.st_size} bytes, header says {header.blob_size}")
-            return st.st_size, st.st_mtime
+            trailer = bytearray(header.trailer_len)
+            at = header.size + header.payload_len
+            if self._read_vec(fd, [memoryview(trailer)], at) != header.trailer_len:
+                raise BlobError("the file ends inside its trailer")
+            return st.st_size, st.st_mtime, codec.decode_trailer(trailer)
         finally:
             self.io.close(fd)
 
@@ -266,8 +272,9 @@ class BlobFiles:
                 pass  # counted by the caller's outcome; a file we cannot remove is still unindexed
         return removed
 
-    def write(self, key: ChunkKey, payload: memoryview, evict: list[str]) -> None:
-        """Remove the evicted files, then write key's blob to a temp file and rename it into place."""
+    def write(self, key: ChunkKey, payload: memoryview, evict: list[str], trailer: bytes = b"") -> None:
+        """Remove the evicted files, then write key's blob (with the trailer codec.encode_trailer
+        made, if any) to a temp file and rename it into place."""
         self.unlink_quiet(evict)
         final = self.path_of(key)
         directory = final.rpartition(os.sep)[0]
@@ -283,10 +290,10 @@ class BlobFiles:
                 # One extent allocation for the whole file instead of ext4 reserving delayed-allocation
                 # space page by page: faster (docs/performance.md), and a full disk fails before any
                 # byte is copied.
-                size = codec.header_size(key) + payload.nbytes
+                size = codec.header_size(key) + payload.nbytes + len(trailer)
                 if self._preallocate and not self.io.preallocate(fd, size):
                     self._preallocate = False
-                self._write_blob(fd, key, payload)
+                self._write_blob(fd, key, payload, trailer)
                 if self.fsync:
                     self.io.fsync(fd)
             finally:
@@ -298,12 +305,13 @@ class BlobFiles:
         if self.fsync:
             self.io.fsync_dir(directory)
 
-    def _write_blob(self, fd: int, key: ChunkKey, payload: memoryview) -> None:
-        """Write a blank header and the payload while the companion hashes it, then the real header."""
+    def _write_blob(self, fd: int, key: ChunkKey, payload: memoryview, trailer: bytes) -> None:
+        """Write a blank header, the payload and the trailer while the companion hashes the payload,
+        then the real header."""
         digest = Handoff(codec.checksum, payload).offer(companion(payload.nbytes))
         try:
-            self._write_all(fd, [memoryview(bytes(codec.header_size(key))), payload])
-            header = codec.encode_header(key, payload, digest.result())
+            self._write_all(fd, [memoryview(bytes(codec.header_size(key))), payload, memoryview(trailer)])
+            header = codec.encode_header(key, payload, digest.result(), len(trailer))
         finally:
             digest.settle()  # the companion may still be reading the caller's buffer
         self._pwrite_all(fd, memoryview(header), 0)
@@ -358,11 +366,11 @@ class BlobFiles:
         """Read and check the header, with segment first in the same system call, and hash that."""
         head = memoryview(bytearray(hsize))
         end = 0 if first is None else codec.segment_span(first, dest.nbytes)[1]
-        got = self._read_vec(fd, self._with_end([head, dest[:end]], end, dest), 0)
+        got = self._read_vec(fd, [head, dest[:end]], 0)
         header = codec.parse_header(head[: min(got, hsize)], key)
         self._check_length(fd, header, dest)
         if got != hsize + end:
-            raise BlobError(f"file has {got} of {header.blob_size} bytes or more")
+            raise BlobError(f"file has {got} of {header.blob_size} bytes")
         if first is not None:
             digests[first] = codec.segment_digest(dest[:end])
         return header
@@ -378,23 +386,20 @@ class BlobFiles:
 
     def _read_part(self, fd: int, dest: memoryview, start: int, end: int, hsize: int) -> None:
         """Read dest[start:end] from the file; a short read is corruption."""
-        got = self._read_vec(fd, self._with_end([dest[start:end]], end, dest), hsize + start)
-        if got != end - start:  # fewer: truncated; more: the byte past the end exists
-            raise BlobError(f"file has {hsize + start + got} of {hsize + dest.nbytes} bytes or more")
-
-    @staticmethod
-    def _with_end(buffers: list[memoryview], end: int, dest: memoryview) -> list[memoryview]:
-        """buffers, plus one byte past the payload when they reach its end (it must not exist)."""
-        return [*buffers, memoryview(bytearray(1))] if end == dest.nbytes else buffers
+        got = self._read_vec(fd, [dest[start:end]], hsize + start)
+        if got != end - start:  # truncated since the length was checked
+            raise BlobError(f"file has {hsize + start + got} of {hsize + dest.nbytes} bytes")
 
     def _check_length(self, fd: int, header: codec.BlobHeader, dest: memoryview) -> None:
-        """A valid header whose payload length is not the buffer's: rot if the file disagrees too."""
-        if header.payload_len == dest.nbytes:
-            return
+        """The file's size must be the header's (payload and trailer: a longer or shorter file is rot);
+        a valid blob whose payload length is not the buffer's is a caller's mismatch."""
         size = self.io.stat(fd).st_size
         if size != header.blob_size:
             raise BlobError(f"file is {size} bytes, header says {header.blob_size}")
-        raise LengthMismatchError(f"stored payload is {header.payload_len} bytes, buffer is {dest.nbytes}")
+        if header.payload_len != dest.nbytes:
+            raise LengthMismatchError(
+                f"stored payload is {header.payload_len} bytes, buffer is {dest.nbytes}"
+            )
 
     def _read_vec(self, fd: int, buffers: list[memoryview], offset: int) -> int:
         """Fill buffers in order from offset; returns the bytes read (fewer only at end of file)."""

@@ -147,6 +147,7 @@ class ScanBatch:
     sizes: list[int] = field(default_factory=list)
     mtimes: list[float] = field(default_factory=list)
     bad: list[bytes] = field(default_factory=list)  # corrupt or of another format: to be removed
+    covered: list[list[bytes]] = field(default_factory=list)  # each file's block hashes (its trailer)
 
 
 class IndexLoad:
@@ -166,16 +167,19 @@ class IndexLoad:
         self.recent.pop(compact, None)
         self.recent[compact] = None
 
-    def merge(self, index: DiskIndex, batch: ScanBatch, writing: set[bytes]) -> list[bytes]:
+    def merge(
+        self, index: DiskIndex, batch: ScanBatch, writing: set[bytes], indexed: list[int] | None = None
+    ) -> list[bytes]:
         """Index the batch's files the loop knows nothing newer of; returns the keys whose files are
-        to be removed (bad ones, and after a clear every file found but a write's)."""
+        to be removed (bad ones, and after a clear every file found but a write's). indexed, when
+        given, gets the position in the batch of each file indexed."""
         self.found += len(batch.keys)
         self._keys += batch.keys
         self._sizes += index.interned(batch.sizes)  # one int per file otherwise, each kept till the end
         self._mtimes.extend(batch.mtimes)
         entries, dropped = index, self.dropped
         remove = [k for k in batch.bad if k not in entries and k not in writing]
-        for compact, size in zip(batch.keys, batch.sizes, strict=True):
+        for at, (compact, size) in enumerate(zip(batch.keys, batch.sizes, strict=True)):
             if compact in entries or compact in dropped:
                 continue  # stored anew, or deleted, since the scan saw it
             if self.cleared and compact not in writing:
@@ -183,6 +187,8 @@ class IndexLoad:
                 remove.append(compact)
                 continue
             index.put(compact, size)
+            if indexed is not None:
+                indexed.append(at)
         return remove
 
     def records(self) -> tuple[list[bytes], list[int], array[float]]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -42,7 +42,7 @@ from redis.retry import Retry
 
 from kvtier.runtime.handoff import run_to_end
 from kvtier.storage import codec
-from kvtier.storage.base import BlobError, ChunkKey, Tier, TierStats
+from kvtier.storage.base import BlobError, ChunkKey, Tier, TierListener, TierStats
 from kvtier.storage.breaker import CircuitBreaker
 from kvtier.storage.config import RedisConfig, redact_url
 from kvtier.storage.keys import REDIS_PREFIX, redis_key
@@ -252,6 +252,7 @@ class RedisTier:
         client: RedisClient | None = None,
         breaker: CircuitBreaker | None = None,
         fast_path: bool = True,
+        listener: TierListener | None = None,
     ) -> None:
         if not config.url and client is None:
             raise ValueError("RedisTier needs a server URL (setting redis_url, KVTIER_REDIS_URL)")
@@ -277,6 +278,7 @@ class RedisTier:
         self._book = PinBook()
         self._background: set[asyncio.Task[None]] = set()
         self._stats = TierStats()
+        self.listener = listener  # told of the chunks this tier sets, deletes or finds gone (KV events)
 
     @property
     def fast_path(self) -> bool:
@@ -376,6 +378,10 @@ class RedisTier:
             found = await self._exists_per_node(self._router, names)
         if found is None:
             return [False] * len(keys)
+        if self.listener is not None and self._router is None and not all(found):
+            # Expired or evicted by Redis itself: announced once a lookup finds it gone. (A cluster's
+            # failed node answers False too, so only a single server's answer is proof.)
+            self.listener.removed(Tier.REDIS, [k for f, k in zip(found, keys, strict=True) if not f])
         return [bool(f) and not self._book.is_doomed(k) for f, k in zip(found, keys, strict=True)]
 
     async def _exists_per_node(self, router: ClusterRouter, names: list[str]) -> list[bool] | None:
@@ -409,14 +415,17 @@ class RedisTier:
             return {self.url_for_logs: list(range(len(names)))}
         return await self._timed(self._router.route(names))
 
-    async def put(self, key: ChunkKey, payload: memoryview) -> bool:
-        """One SET of header+payload (EX redis_ttl when > 0); False when it could not be stored."""
+    async def put(self, key: ChunkKey, payload: memoryview, covered: Sequence[bytes] = ()) -> bool:
+        """One SET of header+payload (EX redis_ttl when > 0); False when it could not be stored.
+        covered goes to the listener only: nothing reads a Redis value's block hashes back."""
         payload = memoryview(payload).cast("B")
         ok = await self._keyed(redis_key(key), lambda: self._put(key, payload), False)
         if ok:
             self._book.forget(key)
             self._stats.stores += 1
             self._stats.bytes_written += payload.nbytes
+            if self.listener is not None:
+                self.listener.stored(Tier.REDIS, [key], [covered])
         return ok
 
     async def _put(self, key: ChunkKey, payload: memoryview) -> bool:
@@ -444,7 +453,11 @@ class RedisTier:
         self._stats.misses += 1
         if outcome is GetOutcome.CORRUPT:
             self._stats.count_error("corrupt")
+            if self.listener is not None:
+                self.listener.removed(Tier.REDIS, [key])
             await self._unlink(name)
+        elif outcome is GetOutcome.MISS and self.listener is not None:
+            self.listener.removed(Tier.REDIS, [key])  # expired or evicted by Redis itself
         elif outcome is GetOutcome.LENGTH_MISMATCH:
             self._stats.count_error("length_mismatch")
         return False
@@ -462,6 +475,8 @@ class RedisTier:
 
     async def delete(self, key: ChunkKey) -> None:
         """UNLINK key; a pinned key is hidden from lookups now and unlinked at its last unpin."""
+        if self.listener is not None:
+            self.listener.removed(Tier.REDIS, [key])  # hidden from lookups now, unlinked now or later
         if self._book.pinned(key):
             self._book.doom(key)
             return
@@ -495,6 +510,8 @@ class RedisTier:
             key = _parse_redis_key(name)
             if key is not None and self._book.pinned(key):
                 continue
+            if key is not None and self.listener is not None:
+                self.listener.removed(Tier.REDIS, [key])
             batch.append(name)
             if len(batch) >= _CLEAR_BATCH:
                 dropped += int(await self._timed(self._client.unlink(*batch)))
