@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 WORDS = tuple(
     (
@@ -167,3 +168,109 @@ def build_lora_adapter(path: str | Path, shape: ModelShape = TINY, seed: int = 1
     }
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
+
+
+# Random models of the attention families kvtier serves besides dense Llama. Each is the smallest shape
+# that keeps its family's structure on vLLM's CPU build, and reused once built (a marker holds its facts).
+
+# DeepSeek-V2's MLA: the CPU MLA backend takes only DeepSeek's latent head (kv_lora_rank 512 +
+# qk_rope_head_dim 64); every layer dense (first_k_dense_replace = layers), as MoE layers trip the CPU router.
+MLA_CONFIG: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    max_position_embeddings=4096,
+)
+
+# Gemma 3: sliding-window layers around a full-attention one, a window shorter than the test prompts.
+GEMMA3_CONFIG: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    sliding_window=64,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    max_position_embeddings=4096,
+)
+
+# Granite 4 (GraniteMoeHybrid): Mamba-2 layers and one attention layer, a dense MLP (no experts).
+GRANITE_HYBRID_CONFIG: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    shared_intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    num_local_experts=0,
+    layer_types=["mamba", "attention"],
+    mamba_n_heads=4,
+    mamba_d_head=64,
+    mamba_d_state=64,
+    mamba_n_groups=1,
+    mamba_chunk_size=64,
+    max_position_embeddings=4096,
+)
+
+
+def _build_random(path: str | Path, arch: str, config: dict[str, Any], std: float, seed: int = 1234) -> Path:
+    """Write a random-weight model of transformers' `arch` (e.g. "DeepseekV2") with the tiny tokenizer."""
+    out = Path(path)
+    marker = out / "kvtier-shape.json"
+    facts = {"arch": arch, "config": config, "std": std, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == facts:
+        return out
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, f"{arch}Config")
+    if not hasattr(transformers, f"{arch}ForCausalLM"):
+        arch = arch.removesuffix("Text")
+    model_cls = getattr(transformers, f"{arch}ForCausalLM")
+    out.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(out, int(config["vocab_size"]))
+    hf_config = config_cls(
+        **config, bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False
+    )
+    torch.manual_seed(seed)
+    model = model_cls(hf_config)
+    # Weights large enough that greedy choices depend strongly on the KV (outputs vary, and
+    # corrupted KV would change them), small enough that the layers do not saturate.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1 or name.endswith("bias"):
+                param.normal_(0.0, std)
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    marker.write_text(json.dumps(facts))
+    return out
+
+
+def build_mla_model(path: str | Path) -> Path:
+    """Write a random-weight DeepSeek-V2-shaped (MLA) model and its tokenizer (reused when built)."""
+    return _build_random(path, "DeepseekV2", MLA_CONFIG, std=0.08)
+
+
+def build_gemma3_model(path: str | Path) -> Path:
+    """Write a random-weight Gemma-3-shaped sliding-window hybrid and its tokenizer (reused when built)."""
+    return _build_random(path, "Gemma3Text", GEMMA3_CONFIG, std=0.08)
+
+
+def build_granite_hybrid_model(path: str | Path) -> Path:
+    """Write a random-weight Granite-4-shaped (Mamba-2 + attention) hybrid (reused when built)."""
+    return _build_random(path, "GraniteMoeHybrid", GRANITE_HYBRID_CONFIG, std=0.08)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,18 @@ class ConnectorConfig:
     # Most tokens one step adds to a request that has computed all it knows: the sampled one and
     # the speculative drafts (the scheduler side skips looking at a request until a save can be due).
     step_tokens: int = 1
+    # This side's index among the engine's ranks (pp_rank * tp_size + tp_rank; the scheduler's is 0)
+    # and every rank's namespace in that order: the scheduler looks a request up in each.
+    rank: int = 0
+    rank_namespaces: tuple[str, ...] = ()
+    # What kv_role lets this side do; saves is also False on a rank whose KV another rank stores.
+    loads: bool = True
+    saves: bool = True
+
+    @property
+    def lookup_namespaces(self) -> tuple[str, ...]:
+        """The namespace of every rank, in rank order (this side's alone when none were given)."""
+        return self.rank_namespaces or (self.namespace,)
 
 
 def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -64,6 +76,7 @@ def _platform() -> str:
 
 
 def _tp_pp_rank(role_is_worker: bool) -> tuple[int, int]:
+    """This worker's tensor- and pipeline-parallel rank; (0, 0) for the scheduler."""
     if not role_is_worker:
         return 0, 0
     try:
@@ -72,6 +85,57 @@ def _tp_pp_rank(role_is_worker: bool) -> tuple[int, int]:
         return get_tp_group().rank_in_group, get_pp_group().rank_in_group
     except Exception:
         return 0, 0
+
+
+# kv_role -> (loads, saves): a prefill engine (producer) only saves, a decode engine (consumer) only loads.
+KV_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
+# The tp_rank of a namespace whose KV every tensor-parallel rank holds alike (MLA's latent KV).
+EVERY_TP_RANK = -1
+
+
+def role_actions(kv_role: Any) -> tuple[bool, bool]:
+    """(loads, saves) for vLLM's kv_role; SettingsError names the roles kvtier serves."""
+    actions = KV_ROLES.get(str(kv_role))
+    if actions is None:
+        raise SettingsError(
+            f"kv_transfer_config.kv_role is {kv_role!r}; kvtier serves kv_both (load and save), "
+            "kv_producer (save only) and kv_consumer (load only)"
+        )
+    return actions
+
+
+def tp_replicated(kv_spec: Any) -> bool:
+    """Whether every tensor-parallel rank holds the same KV (MLA's latent cache is not split by head)."""
+    return type(kv_spec).__name__ == "MLAAttentionSpec"
+
+
+def rank_specs(spec: NamespaceSpec, replicated: bool) -> list[NamespaceSpec]:
+    """The namespace spec of every rank in rank order (pipeline stage major), from any rank's spec.
+
+    Each rank stores its own shard under its own namespace; KV that every tensor-parallel rank holds
+    alike is stored once per stage, in one namespace with no tensor-parallel rank in it.
+    """
+    return [
+        replace(spec, tp_rank=EVERY_TP_RANK if replicated else tp, pp_rank=pp)
+        for pp in range(spec.pp_size)
+        for tp in range(spec.tp_size)
+    ]
+
+
+def check_parallel(parallel_config: Any) -> None:
+    """Raise UnsupportedEngine for pipeline parallelism: no engine of it could be tested here (vLLM's
+    CPU build fails its first step with pipeline_parallel_size 2), and each stage's layer count,
+    part of its namespace, is not known to the scheduler."""
+    stages = int(getattr(parallel_config, "pipeline_parallel_size", 1))
+    if stages != 1:
+        raise UnsupportedEngine(
+            f"kvtier serves pipeline_parallel_size 1 (any tensor_parallel_size); this engine has {stages}"
+        )
+
+
+def saves_on_rank(tp_rank: int, replicated: bool) -> bool:
+    """Whether a rank stores its KV: every rank its own shard, or tensor rank 0 alone for replicated KV."""
+    return not replicated or tp_rank == 0
 
 
 def _model_files(vllm_config: Any) -> Path | None:
@@ -155,10 +219,32 @@ def check_kv_spec(kv_spec: Any) -> None:
         )
 
 
+def check_prefix_reuse(vllm_config: Any, kv_spec: Any) -> None:
+    """Raise UnsupportedEngine for MLA on vLLM's CPU platform with vLLM's prefix cache off.
+
+    vLLM turns its own prefix cache off there because its reference CPU MLA backend does not compute
+    over a cached prefix as a full prefill does; KV loaded by kvtier would change the outputs.
+    """
+    if type(kv_spec).__name__ != "MLAAttentionSpec":
+        return
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", True) is not False:
+        return
+    from vllm.platforms import current_platform
+
+    if str(getattr(current_platform, "device_type", "")) != "cpu":
+        return
+    raise UnsupportedEngine(
+        "kvtier does not serve MLA (MLAAttentionSpec) on vLLM's CPU platform with vLLM's prefix "
+        "cache off: vLLM turns it off there because its CPU MLA backend does not compute over a "
+        "cached prefix as a full prefill does, so KV that kvtier loads would change the outputs"
+    )
+
+
 def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -> ConnectorConfig:
     """Validate settings and derive geometry and namespace; raises SettingsError or UnsupportedEngine."""
     kv_transfer = vllm_config.kv_transfer_config
     settings = load_settings(extra=dict(kv_transfer.kv_connector_extra_config or {}))
+    loads, saves = role_actions(getattr(kv_transfer, "kv_role", "kv_both"))
     block_size = int(vllm_config.cache_config.block_size)
     try:
         geometry = Geometry(block_size, settings.chunk_size)
@@ -179,22 +265,11 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
     group = kv_cache_config.kv_cache_groups[0]
     kv_spec = group.kv_cache_spec
     check_kv_spec(kv_spec)
-    parallel = vllm_config.parallel_config
+    check_prefix_reuse(vllm_config, kv_spec)
+    check_parallel(vllm_config.parallel_config)
     tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
-    spec = NamespaceSpec(
-        model=model_identity(vllm_config),
-        kv_dtype=str(getattr(kv_spec, "dtype", vllm_config.cache_config.cache_dtype)),
-        kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{type(kv_spec).__name__}",
-        block_size=block_size,
-        chunk_size=settings.chunk_size,
-        num_layers=len(group.layer_names),
-        page_bytes=int(kv_spec.page_size_bytes),
-        tp_rank=tp_rank,
-        tp_size=int(parallel.tensor_parallel_size),
-        pp_rank=pp_rank,
-        pp_size=int(parallel.pipeline_parallel_size),
-        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
-    )
+    replicated = tp_replicated(kv_spec)
+    spec = _namespace_spec(vllm_config, kv_cache_config, settings.chunk_size, tp_rank, pp_rank)
     return ConnectorConfig(
         settings=settings,
         geometry=geometry,
@@ -206,4 +281,31 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         failure_policy=str(getattr(kv_transfer, "kv_load_failure_policy", "fail")),
         async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
         step_tokens=_step_tokens(vllm_config),
+        rank=pp_rank * spec.tp_size + tp_rank,
+        rank_namespaces=tuple(namespace_id(s) for s in rank_specs(spec, replicated)),
+        loads=loads,
+        saves=saves and saves_on_rank(tp_rank, replicated),
+    )
+
+
+def _namespace_spec(
+    vllm_config: Any, kv_cache_config: Any, chunk_size: int, tp_rank: int, pp_rank: int
+) -> NamespaceSpec:
+    """This rank's namespace spec (KV every tensor-parallel rank holds alike names no tp rank)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    kv_spec = group.kv_cache_spec
+    parallel = vllm_config.parallel_config
+    return NamespaceSpec(
+        model=model_identity(vllm_config),
+        kv_dtype=str(getattr(kv_spec, "dtype", vllm_config.cache_config.cache_dtype)),
+        kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{type(kv_spec).__name__}",
+        block_size=int(vllm_config.cache_config.block_size),
+        chunk_size=chunk_size,
+        num_layers=len(group.layer_names),
+        page_bytes=int(kv_spec.page_size_bytes),
+        tp_rank=EVERY_TP_RANK if tp_replicated(kv_spec) else tp_rank,
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_rank=pp_rank,
+        pp_size=int(parallel.pipeline_parallel_size),
+        hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
     )

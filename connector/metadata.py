@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.connector.planning import rank_lease_id
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # the worker side also runs where only torch is (bench/gpu_check.py on a GPU machine)
@@ -19,25 +21,40 @@ except ImportError:  # the worker side also runs where only torch is (bench/gpu_
 class ChunkLoad:
     """Copy blocks ``[first, first + len(block_ids))`` of leased chunk ``index`` into ``block_ids``.
 
-    ``slot`` is the arena slot (offset, length) of a CPU-tier hit; None when the worker must stage
-    the lease first (a lower-tier hit, loaded asynchronously).
+    ``slot`` is the arena slot (offset, length) of a CPU-tier hit for rank 0, ``rank_slots`` those
+    of ranks 1 on (each rank's lookup leased its own copy); None when the worker must stage the lease
+    first (a lower-tier hit, loaded asynchronously).
     """
 
     index: int
     first: int
     block_ids: list[int]
     slot: tuple[int, int] | None = None
+    rank_slots: list[tuple[int, int] | None] = field(default_factory=list)
+
+    def slot_of(self, rank: int) -> tuple[int, int] | None:
+        """The arena slot rank ``rank`` loads from (None: none, or a lower-tier hit)."""
+        if rank == 0:
+            return self.slot
+        return self.rank_slots[rank - 1] if rank <= len(self.rank_slots) else None
 
 
 @dataclass(slots=True)
 class LoadJob:
-    """One request's load: the lease that pins its chunks and the pieces to copy."""
+    """One request's load: the lease that pins its chunks and the pieces to copy.
+
+    ``lease_id`` is rank 0's lease; every other rank loads under its own (``lease_of``).
+    """
 
     req_id: str
     lease_id: str
     chunks: list[ChunkLoad]
     is_async: bool
     instance_id: str = ""
+
+    def lease_of(self, rank: int) -> str:
+        """The lease rank ``rank`` stages and releases."""
+        return rank_lease_id(self.lease_id, rank)
 
     @property
     def block_ids(self) -> list[int]:
@@ -52,6 +69,7 @@ class SaveJob:
     req_id: str
     hashes: list[bytes]
     block_ids: list[list[int]]
+    block_hashes: list[list[bytes]] = field(default_factory=list)  # each chunk's block hashes (KV events)
 
 
 @dataclass

@@ -129,3 +129,20 @@ def chunk_block_ids(block_table: Sequence[int], chunk: int, geo: Geometry) -> li
     if len(ids) != bpc:
         raise ValueError(f"chunk {chunk} needs {bpc} blocks; the table has {len(block_table)}")
     return ids
+
+
+def rank_lease_id(lease_id: str, rank: int) -> str:
+    """The lease of one rank's lookup: rank 0 holds the request's lease id, rank r that id and ``@r``."""
+    if not lease_id or rank == 0:
+        return lease_id
+    return f"{lease_id}@{rank}"
+
+
+def combine_rank_hits(num_hits: Sequence[int], tiers: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
+    """One hit for every rank from each rank's lookup: the fewest leading chunks any rank holds (a
+    chunk counts only if every rank holds it), each at the slowest tier a rank found it in (tiers
+    are ordered fastest first)."""
+    if len(num_hits) != len(tiers) or not num_hits:
+        raise ValueError(f"one answer per rank: {len(num_hits)} hit counts, {len(tiers)} tier lists")
+    hit = min(num_hits)
+    return hit, [max(rank_tiers[i] for rank_tiers in tiers) for i in range(hit)]

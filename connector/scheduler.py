@@ -22,21 +22,27 @@ from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJo
 from kvtier.connector.planning import (
     chunk_block_ids,
     chunk_hashes,
+    combine_rank_hits,
     external_tokens,
     load_spans,
+    rank_lease_id,
     save_range,
 )
 from kvtier.connector.stats import SchedulerCounters, merge_counts
-from kvtier.storage.base import Tier
+from kvtier.storage.base import SlotRef, Tier
 
 log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 _NEVER = 1 << 62  # a token count no request reaches
 
 
+def _slot(slot: SlotRef | None) -> tuple[int, int] | None:
+    return None if slot is None else (slot.offset, slot.length)
+
+
 @dataclass(slots=True)
 class _Lookup:
-    future: Call[LookupReply]
+    futures: list[Call[LookupReply]]  # one per rank, in rank order
     num_chunks: int
     lease_id: str
     started: float
@@ -44,8 +50,18 @@ class _Lookup:
 
 
 @dataclass(slots=True)
+class _Hit:
+    """What the lookups of every rank found together, and each rank's CPU-tier slots."""
+
+    num_hit: int  # leading chunks every rank holds
+    tiers: list[Tier]  # per chunk, the slowest tier a rank holds it in
+    slots: list[list[SlotRef | None]]  # per rank, per chunk
+    instance_id: str
+
+
+@dataclass(slots=True)
 class _Answer:
-    reply: LookupReply | None  # None: nothing to load (no lookup needed, or it failed)
+    hit: _Hit | None  # None: nothing to load (no lookup needed, or it failed)
     local_tokens: int
     external: int
 
@@ -91,6 +107,8 @@ class SchedulerSide:
         self._step = 0  # build_connector_meta calls so far
         self._looks: dict[int, list[_Request]] = {}  # step -> requests to look at then (see _look)
         self._step_tokens = max(1, cfg.step_tokens)
+        # One lookup per rank, each under its own lease: a chunk is a hit when every rank holds it.
+        self._namespaces = cfg.lookup_namespaces
 
     # ------------------------------------------------------------------------------------ lookups
     def on_new_request(self, request: Any) -> None:
@@ -98,7 +116,7 @@ class SchedulerSide:
         if self.client is None or request.request_id in self._reqs:
             return
         st = self._reqs[request.request_id] = _Request(request)
-        hashes = chunk_hashes(request.block_hashes, self.geo)
+        hashes = chunk_hashes(request.block_hashes, self.geo) if self.cfg.loads else []
         if hashes:
             # Held until admission asks for it (or a few more arrive): one send for a burst.
             st.lookup = self._start_lookup(st, hashes, hold=True)
@@ -112,19 +130,23 @@ class SchedulerSide:
         if self.client is None:
             return 0, False
         num_chunks = len(request.block_hashes) // self._bpc
-        if num_chunks * self.geo.chunk_size <= num_computed_tokens:
+        if not self.cfg.loads or num_chunks * self.geo.chunk_size <= num_computed_tokens:
             st.answer = _Answer(None, num_computed_tokens, 0)  # still an admission to count
             return 0, False
         if st.lookup is None or st.lookup.num_chunks != num_chunks or self._too_old(st.lookup):
             st.lookup = self._start_lookup(st, chunk_hashes(request.block_hashes, self.geo))
         lookup = st.lookup
         waited_from = time.monotonic()
+        future = lookup.futures[0]
         try:
-            reply = lookup.future.result(timeout=max(0.0, self._budget_left))
+            replies = []
+            for future in lookup.futures:
+                left = self._budget_left - (time.monotonic() - waited_from)
+                replies.append(future.result(timeout=max(0.0, left)))
         except Exception as exc:
             # The client's CallTimeout is a TimeoutError too: only a future still pending means
             # "not answered yet"; a failed answer is a miss, now.
-            if isinstance(exc, TimeoutError) and not lookup.future.done():
+            if isinstance(exc, TimeoutError) and not future.done():
                 self._budget_left = 0.0  # one slow answer per step: others don't wait behind it
                 self.counters.lookups_deferred += 1
                 return None, False
@@ -140,12 +162,26 @@ class SchedulerSide:
         finally:
             self._budget_left = max(0.0, self._budget_left - (time.monotonic() - waited_from))
         st.lookup = None
-        if reply.result.num_hit == 0:
-            st.lease_id = ""  # the service keeps no lease for a lookup that found nothing
         self.counters.observe_lookup_latency(time.monotonic() - lookup.started)
-        ext = external_tokens(reply.result.num_hit, num_computed_tokens, request.num_tokens, self.geo)
-        st.answer = _Answer(reply, num_computed_tokens, ext)
-        return ext, ext > 0 and self._needs_async(reply, num_computed_tokens, ext)
+        hit = self._combine(st, replies)
+        ext = external_tokens(hit.num_hit, num_computed_tokens, request.num_tokens, self.geo)
+        st.answer = _Answer(hit, num_computed_tokens, ext)
+        return ext, ext > 0 and self._needs_async(hit, num_computed_tokens, ext)
+
+    def _combine(self, st: _Request, replies: list[LookupReply]) -> _Hit:
+        """One hit from every rank's answer; no lease is left behind when it is none."""
+        results = [r.result for r in replies]
+        num_hit, tiers = combine_rank_hits([r.num_hit for r in results], [r.tiers for r in results])
+        if len({r.instance_id for r in replies}) > 1:  # answered by two service instances
+            num_hit, tiers = 0, []
+        if num_hit == 0:
+            # The service keeps no lease for a lookup that found nothing; end those that found some.
+            for rank, result in enumerate(results):
+                if result.num_hit:
+                    self._end_rank_lease(st.lease_id, rank)
+            st.lease_id = ""
+        hit_tiers = [Tier(t) for t in tiers]
+        return _Hit(num_hit, hit_tiers, [list(r.slots) for r in results], replies[0].instance_id)
 
     def _start_lookup(self, st: _Request, hashes: list[bytes], hold: bool = False) -> _Lookup:
         assert self.client is not None
@@ -153,24 +189,38 @@ class SchedulerSide:
         # A new lease id per lookup, so an answer is never confused with a later one; the lookup
         # ends the request's previous lease itself, once the new one holds the chunks.
         replaces, st.lease_id = st.lease_id, lease_id
-        future = self.client.lookup(self.cfg.namespace, hashes, lease_id, replaces=replaces, hold=hold)
-        return _Lookup(future, len(hashes), lease_id, time.monotonic(), replaces)
+        futures = [
+            self.client.lookup(
+                namespace,
+                hashes,
+                rank_lease_id(lease_id, rank),
+                replaces=rank_lease_id(replaces, rank),
+                hold=hold,
+            )
+            for rank, namespace in enumerate(self._namespaces)
+        ]
+        return _Lookup(futures, len(hashes), lease_id, time.monotonic(), replaces)
 
     def _too_old(self, lookup: _Lookup) -> bool:
         # An answer is only as good as its lease; never act on one that may have expired meanwhile.
         return time.monotonic() - lookup.started > self.cfg.settings.lease_ttl / 2
 
-    def _needs_async(self, reply: LookupReply, local: int, ext: int) -> bool:
+    def _needs_async(self, hit: _Hit, local: int, ext: int) -> bool:
         spans = load_spans(local, ext, self.geo)
-        return any(reply.result.tiers[s.chunk] != Tier.CPU for s in spans)
+        return any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
 
     def _release(self, st: _Request) -> None:
         self._end_lease(st.lease_id)
         st.lease_id = ""
 
     def _end_lease(self, lease_id: str) -> None:
+        """End the lease of every rank's lookup."""
+        for rank in range(len(self._namespaces)):
+            self._end_rank_lease(lease_id, rank)
+
+    def _end_rank_lease(self, lease_id: str, rank: int) -> None:
         if lease_id and self.client is not None:
-            self.client.release(lease_id)
+            self.client.release(rank_lease_id(lease_id, rank))
 
     # -------------------------------------------------------------------------------- admission
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -184,31 +234,25 @@ class SchedulerSide:
         admitted = answer.local_tokens + num_external_tokens
         self._set_watermark(st, admitted // self.geo.chunk_size)
         self.counters.count_admission(request, num_external_tokens)
-        reply = answer.reply
-        if num_external_tokens <= 0 or reply is None:
+        hit = answer.hit
+        if num_external_tokens <= 0 or hit is None:
             self._release(st)
             return
         table = list(blocks.get_block_ids()[0])
         spans = load_spans(answer.local_tokens, num_external_tokens, self.geo)
-        is_async = any(reply.result.tiers[s.chunk] != Tier.CPU for s in spans)
+        is_async = any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
         chunks = []
         sources: dict[Tier, int] = {}
         for s in spans:
-            slot = reply.result.slots[s.chunk]
-            chunks.append(
-                ChunkLoad(
-                    index=s.chunk,
-                    first=s.first,
-                    block_ids=table[s.table_start : s.table_start + s.count],
-                    slot=None if is_async or slot is None else (slot.offset, slot.length),
-                )
-            )
-            tier = reply.result.tiers[s.chunk]
+            slots = [None if is_async else _slot(rank_slots[s.chunk]) for rank_slots in hit.slots]
+            ids = table[s.table_start : s.table_start + s.count]
+            chunks.append(ChunkLoad(s.chunk, s.first, ids, slots[0], slots[1:]))
+            tier = hit.tiers[s.chunk]
             sources[tier] = sources.get(tier, 0) + s.count * self.geo.block_size
         st.hit_sources = sources
         self.counters.count_hits(sources)
         self._loads[request.request_id] = LoadJob(
-            request.request_id, st.lease_id, chunks, is_async, reply.instance_id
+            request.request_id, st.lease_id, chunks, is_async, hit.instance_id
         )
         st.async_load_pending = is_async
         st.lease_id = ""  # the worker releases it once the copy is done
@@ -350,7 +394,7 @@ class SchedulerSide:
         hashes = request.block_hashes
         rng = save_range(computed, new_valid, len(hashes), st.watermark, self.geo, limit)
         self._set_watermark(st, rng.hi)
-        if not rng.chunks or self.client is None:
+        if not rng.chunks or self.client is None or not self.cfg.saves:
             return None
         bpc = self.geo.blocks_per_chunk
         job = SaveJob(request.request_id, [], [])
@@ -361,6 +405,7 @@ class SchedulerSide:
                 break  # blocks not known (should not happen): save nothing past this point
             job.hashes.append(bytes(hashes[(chunk + 1) * bpc - 1]))
             job.block_ids.append(ids)
+            job.block_hashes.append([bytes(h) for h in hashes[chunk * bpc : (chunk + 1) * bpc]])
         if not job.hashes:
             return None
         st.saved_any = True

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
@@ -58,6 +58,7 @@ class _SavedJob:
     hashes: list[bytes]
     slots: list[SlotRef]
     instance_id: str
+    block_hashes: list[list[bytes]] = field(default_factory=list)  # each chunk's, for KV events
 
 
 @dataclass(slots=True)
@@ -115,6 +116,7 @@ class WorkerSide:
         self._held: dict[str, int] = {}  # held request -> save batches that must end before it goes
         self._hello: Call[HelloReply] | None = None
         self._save_wait = SAVE_WAIT_S
+        self._rank = cfg.rank  # which rank's lease and slots of a load plan are this worker's
         self._layer_index = {name: i for i, name in enumerate(cfg.layer_names)}
         self._all_layers = frozenset(self._layer_index.values())
         self._step_loads: _StepLoads | None = None
@@ -183,8 +185,8 @@ class WorkerSide:
         self._failed_this_step = set()
         self._held_now.update(meta.held)  # reported in get_finished whatever else happens
         self._refresh_arena()
-        if self.client is None or not self.ready:
-            return
+        if self.client is None or not self.ready or not self.cfg.saves:
+            return  # a consumer stores nothing; nor does a rank whose KV another rank stores
         for job in meta.saves:
             self._reserves.append((job, self.client.reserve(self.cfg.namespace, job.hashes)))
 
@@ -201,9 +203,10 @@ class WorkerSide:
                 sync.append(job)
             elif self.client is None or not self.ready:
                 self._fail_job(job, range(len(job.chunks)))
+                self._release(job.lease_of(self._rank))
                 self._finished_recving.add(job.req_id)
             else:
-                future = self.client.stage(job.lease_id)
+                future = self.client.stage(job.lease_of(self._rank))
                 self._async[job.req_id] = _PendingLoad(job, future, time.monotonic())
         if not sync:
             return
@@ -293,7 +296,7 @@ class WorkerSide:
             if error is not None or unwaited:
                 failed = list(range(len(job.chunks)))
             self._account_load(job, failed, step.started, step.loads.ended)
-            self._release(job.lease_id)
+            self._release(job.lease_of(self._rank))
 
     def _fence(self) -> bool:
         """Wait for every copy issued so far; False when one of them failed."""
@@ -309,9 +312,10 @@ class WorkerSide:
 
     def _hit_buf(self, job: LoadJob, chunk: ChunkLoad) -> memoryview | None:
         """The arena bytes of a CPU-tier hit, or None when its slot is not in the mapped arena."""
-        if chunk.slot is None:
+        slot = chunk.slot_of(self._rank)
+        if slot is None:
             return None
-        return self._arena.view(job.instance_id, SlotRef(*chunk.slot))
+        return self._arena.view(job.instance_id, SlotRef(*slot))
 
     def _copy_in(self, buf: memoryview, first: int, block_ids: list[int]) -> bool:
         assert self.copier is not None
@@ -362,7 +366,7 @@ class WorkerSide:
             faults.caught(exc, "a stage")
             log.debug("kvtier: stage of %s failed: %s", job.req_id, exc)
             self._fail_job(job, range(len(job.chunks)))
-            self._release(job.lease_id)
+            self._release(job.lease_of(self._rank))
             return
         if reply.instance_id != self._arena.instance_id:
             self._refresh_arena(wait=0.0)
@@ -377,7 +381,7 @@ class WorkerSide:
         if not self._fence():
             failed = list(range(len(job.chunks)))
         self._account_load(job, failed, pending.started)
-        self._release(job.lease_id)
+        self._release(job.lease_of(self._rank))
 
     def wait_for_save(self) -> None:
         """Hand this step's finished chunks to the copier, to be copied into their reserved slots and
@@ -427,7 +431,7 @@ class WorkerSide:
         skip = bool(self._failed_this_step)
         saved = _SavedJob([], [], reply.instance_id)
         unused = []
-        for h, ids, slot in zip(job.hashes, job.block_ids, reply.slots, strict=True):
+        for i, (h, ids, slot) in enumerate(zip(job.hashes, job.block_ids, reply.slots, strict=True)):
             if slot is None:
                 self.counters.save_skipped_chunks += 1
                 continue
@@ -445,6 +449,8 @@ class WorkerSide:
             chunks.append((view, ids))
             saved.hashes.append(h)
             saved.slots.append(slot)
+            if job.block_hashes:
+                saved.block_hashes.append(job.block_hashes[i])
         if unused:
             self.client.abort(unused, reply.instance_id)
         return saved
@@ -457,7 +463,11 @@ class WorkerSide:
                 if error is not None:  # which chunk broke is unknown: store none of them
                     self.client.abort(job.slots, job.instance_id)
                     continue
-                commit = self.client.commit(self.cfg.namespace, job.hashes, job.slots, job.instance_id)
+                args = (self.cfg.namespace, job.hashes, job.slots, job.instance_id)
+                if job.block_hashes:  # for KV events; a stand-in client may not take them
+                    commit = self.client.commit(*args, block_hashes=job.block_hashes)
+                else:
+                    commit = self.client.commit(*args)
                 commit.add_done_callback(self._count_late_error)
         finally:
             chunks = 0 if error is not None else sum(len(job.slots) for job in batch)

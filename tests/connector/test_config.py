@@ -208,3 +208,32 @@ def test_unreadable_model_files_leave_the_engine_unserved(
     monkeypatch.setattr(config, "model_files_digest", unreadable)
     with pytest.raises(UnsupportedEngine, match=r"cannot read the model's files at .*Permission denied"):
         _namespace(str(_write_model(tmp_path / "m", seed=1)))
+
+
+# ------------------------------------------------------------------------ engine variants
+MLA = MLAAttentionSpec(**{**DENSE, "num_kv_heads": 1, "head_size": 576})
+
+
+def test_mla_with_vllms_prefix_cache_off_on_the_cpu_platform_is_refused() -> None:
+    """vLLM's CPU platform turns its prefix cache off for MLA: a loaded prefix would change outputs."""
+    vllm_config, kv_cache_config = _engine(MLA)
+    vllm_config.cache_config.enable_prefix_caching = False
+    with pytest.raises(UnsupportedEngine, match=r"does not serve MLA \(MLAAttentionSpec\) on vLLM's CPU"):
+        build_config(vllm_config, kv_cache_config, role_is_worker=False)
+    vllm_config.cache_config.enable_prefix_caching = True
+    assert build_config(vllm_config, kv_cache_config, role_is_worker=False).spec.page_bytes == 16 * 576 * 2
+
+
+def test_full_attention_with_the_prefix_cache_off_is_served() -> None:
+    vllm_config, kv_cache_config = _engine(FullAttentionSpec(**DENSE))
+    vllm_config.cache_config.enable_prefix_caching = False
+    assert build_config(vllm_config, kv_cache_config, role_is_worker=False).geometry.blocks_per_chunk == 2
+
+
+def test_a_chunk_size_that_is_not_a_multiple_of_the_block_size_stops_the_engine() -> None:
+    from kvtier.app.settings import SettingsError
+
+    vllm_config, kv_cache_config = _engine(FullAttentionSpec(**DENSE))
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {"chunk_size": 40}
+    with pytest.raises(SettingsError, match=r"chunk_size \(KVTIER_CHUNK_SIZE\): .*; for example 256"):
+        build_config(vllm_config, kv_cache_config, role_is_worker=False)

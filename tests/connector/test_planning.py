@@ -10,8 +10,10 @@ from kvtier.connector.planning import (
     Geometry,
     chunk_block_ids,
     chunk_hashes,
+    combine_rank_hits,
     external_tokens,
     load_spans,
+    rank_lease_id,
     save_range,
 )
 
@@ -99,3 +101,19 @@ def test_chunk_block_ids() -> None:
     assert chunk_block_ids(table, 1, GEO) == [104, 105, 106, 107]
     with pytest.raises(ValueError):
         chunk_block_ids(table, 3, GEO)
+
+
+# --------------------------------------------------------------------------- more than one rank
+def test_a_chunk_is_a_hit_only_when_every_rank_holds_it() -> None:
+    assert combine_rank_hits([3, 2], [[0, 0, 0], [0, 1]]) == (2, [0, 1])
+    assert combine_rank_hits([4], [[0, 2, 1, 0]]) == (4, [0, 2, 1, 0])  # one rank: its own answer
+    assert combine_rank_hits([0, 5], [[], [0] * 5]) == (0, [])
+    # Each chunk comes from the slowest tier any rank holds it in.
+    assert combine_rank_hits([2, 2, 2], [[0, 0], [2, 0], [1, 0]]) == (2, [2, 0])
+    with pytest.raises(ValueError, match="one answer per rank: 2 hit counts, 1 tier lists"):
+        combine_rank_hits([1, 1], [[0]])
+
+
+def test_rank_zero_keeps_the_lease_id_and_other_ranks_get_their_own() -> None:
+    assert [rank_lease_id("e:r:1", rank) for rank in range(3)] == ["e:r:1", "e:r:1@1", "e:r:1@2"]
+    assert rank_lease_id("", 1) == ""  # no lease: nothing to end on any rank

@@ -21,9 +21,14 @@ from kvtier.storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
 BLOCK, CHUNK = 32, 64  # 2 blocks per chunk
 
 
-def _cfg(**settings: Any) -> ConnectorConfig:
+def _cfg(
+    ranks: tuple[str, ...] = (), loads: bool = True, saves: bool = True, **settings: Any
+) -> ConnectorConfig:
     spec = NamespaceSpec("m", "bf16", "x", BLOCK, CHUNK, 2, 4096)
     return ConnectorConfig(
+        rank_namespaces=ranks,
+        loads=loads,
+        saves=saves,
         settings=KVTierSettings(chunk_size=CHUNK, **settings),
         geometry=Geometry(BLOCK, CHUNK),
         spec=spec,
@@ -41,10 +46,13 @@ class FakeClient:
     """Answers lookups from a table of stored chunk hashes; records releases."""
 
     stored: dict[bytes, Tier] = field(default_factory=dict)
+    by_namespace: dict[str, dict[bytes, Tier]] = field(default_factory=dict)  # else `stored`
     down: bool = False
+    down_namespaces: set[str] = field(default_factory=set)
     hold: bool = False  # leave lookup futures unanswered
     released: list[str] = field(default_factory=list)
     lookups: list[str] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)  # of each lookup
     pending: list[tuple[concurrent.futures.Future, LookupReply]] = field(default_factory=list)
 
     def lookup(
@@ -58,16 +66,18 @@ class FakeClient:
         hold: bool = False,
     ):
         self.lookups.append(lease_id)
+        self.namespaces.append(namespace)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self.down:
+        if self.down or namespace in self.down_namespaces:
             fut.set_exception(ServiceUnavailable("down"))
             return fut
         if replaces:  # the service ends it with the lookup
             self.released.append(replaces)
+        stored = self.by_namespace.get(namespace, self.stored)
         n = 0
-        while n < len(hashes) and hashes[n] in self.stored:
+        while n < len(hashes) and hashes[n] in stored:
             n += 1
-        tiers = [self.stored[h] for h in hashes[:n]]
+        tiers = [stored[h] for h in hashes[:n]]
         slots = [SlotRef(4096 * i, 4096) if t == Tier.CPU else None for i, t in enumerate(tiers)]
         reply = LookupReply(LookupResult(n, tiers, slots), "inst-1")
         if self.hold:
@@ -403,3 +413,112 @@ def test_save_decode_off_stops_at_the_prompt() -> None:
     assert [len(s.hashes) for s in meta.saves] == [1]
     meta = side.build_connector_meta(_output(cached=[("a", None, 127, False)], scheduled={"a": 60}))
     assert meta.saves == []
+
+
+# --------------------------------------------------------------------------- more than one rank
+def _two_ranks(
+    rank0: dict[int, Tier], rank1: dict[int, Tier]
+) -> tuple[SchedulerSide, FakeClient, FakeRequest]:
+    """A scheduler side of a two-rank engine whose ranks hold these chunks of request "a"."""
+    client = FakeClient()
+    side = SchedulerSide(_cfg(ranks=("ns0", "ns1")), client)
+    req = FakeRequest("a", 300, 9)
+    client.by_namespace = {
+        "ns0": {_chunk_hash(req, c): t for c, t in rank0.items()},
+        "ns1": {_chunk_hash(req, c): t for c, t in rank1.items()},
+    }
+    return side, client, req
+
+
+def test_every_rank_is_looked_up_under_its_own_lease_and_a_hit_needs_every_rank() -> None:
+    cpu = Tier.CPU
+    side, client, req = _two_ranks({0: cpu, 1: cpu, 2: cpu}, {0: cpu, 1: cpu})
+    assert side.get_num_new_matched_tokens(req, 0) == (128, False)  # rank 1 lacks chunk 2
+    assert client.namespaces == ["ns0", "ns1"]
+    assert client.lookups == ["eng:a:1", "eng:a:1@1"]
+    table = list(range(10, 20))
+    side.update_state_after_alloc(req, _blocks(table), 128)
+    meta = side.build_connector_meta(_output(new=[_new("a", table, 128)], scheduled={"a": 172}))
+    (load,) = meta.loads
+    assert [load.lease_of(rank) for rank in (0, 1)] == ["eng:a:1", "eng:a:1@1"]
+    # Each rank loads from the slots its own lookup leased.
+    assert [(c.block_ids, c.slot_of(0), c.slot_of(1)) for c in load.chunks] == [
+        ([10, 11], (0, 4096), (0, 4096)),
+        ([12, 13], (4096, 4096), (4096, 4096)),
+    ]
+    assert client.released == []  # the workers end their leases once their copies are done
+
+
+def test_a_chunk_one_rank_holds_in_a_lower_tier_makes_the_load_async_on_every_rank() -> None:
+    side, _, req = _two_ranks({0: Tier.CPU, 1: Tier.CPU}, {0: Tier.CPU, 1: Tier.DISK})
+    assert side.get_num_new_matched_tokens(req, 0) == (128, True)
+    side.update_state_after_alloc(req, _blocks(list(range(10))), 128)
+    assert side.counters.hit_tokens_disk == 64 and side.counters.hit_tokens_cpu == 64
+    (load,) = side.build_connector_meta(_output()).loads
+    assert load.is_async and all(c.slot_of(r) is None for c in load.chunks for r in (0, 1))
+
+
+def test_a_rank_that_holds_nothing_ends_the_lease_of_the_rank_that_holds_some() -> None:
+    side, client, req = _two_ranks({0: Tier.CPU}, {})
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert client.released == ["eng:a:1"]  # rank 1's lookup found nothing: it has no lease
+    side.update_state_after_alloc(req, _blocks(list(range(10))), 0)
+    side.request_finished(req, [])
+    assert client.released == ["eng:a:1"]
+
+
+def test_every_ranks_lease_ends_when_a_rank_fails_or_the_request_ends_unloaded() -> None:
+    side, client, req = _two_ranks({0: Tier.CPU}, {0: Tier.CPU})
+    assert side.get_num_new_matched_tokens(req, 0) == (64, False)  # allocation fails
+    client.down_namespaces = {"ns1"}
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # rank 1's lookup fails: a miss
+    assert side.counters.lookup_errors == 1
+    side.update_state_after_alloc(req, _blocks(list(range(10))), 0)
+    # Every lease of both lookups ended: the first's when the second replaced it, the second's
+    # (rank 0's answered, rank 1's failed) at admission without a hit.
+    assert set(client.released) == {"eng:a:1", "eng:a:1@1", "eng:a:2", "eng:a:2@1"}
+
+
+def test_a_lookup_answered_by_two_service_instances_is_a_miss() -> None:
+    side, client, req = _two_ranks({0: Tier.CPU}, {0: Tier.CPU})
+    real = client.lookup
+
+    def second_instance(namespace: str, *args: Any, **kwargs: Any) -> Any:
+        fut = real(namespace, *args, **kwargs)
+        if namespace == "ns1":
+            reply = fut.result()
+            fut = concurrent.futures.Future()
+            fut.set_result(LookupReply(reply.result, "inst-2"))
+        return fut
+
+    client.lookup = second_instance  # type: ignore[method-assign]
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sorted(client.released) == ["eng:a:1", "eng:a:1@1"]
+
+
+# ---------------------------------------------------------------------------------- kv_role
+def test_a_producer_never_looks_up_and_saves_what_it_computes() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(loads=False), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, 0): Tier.CPU}
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert client.lookups == []
+    side.update_state_after_alloc(req, _blocks(list(range(10))), 0)
+    assert side.counters.admissions == 1
+    meta = side.build_connector_meta(_output(new=[_new("a", list(range(10)), 0)], scheduled={"a": 300}))
+    assert [s.hashes for s in meta.saves] == [[_chunk_hash(req, c) for c in range(4)]]
+
+
+def test_a_consumer_loads_and_never_saves_nor_holds_blocks() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(saves=False), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, 0): Tier.CPU}
+    assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+    side.update_state_after_alloc(req, _blocks(list(range(10))), 64)
+    meta = side.build_connector_meta(_output(new=[_new("a", list(range(10)), 64)], scheduled={"a": 236}))
+    assert len(meta.loads) == 1 and meta.saves == []
+    assert side.request_finished(req, list(range(10))) == (False, None)
+    assert side.build_connector_meta(_output()).saves == []

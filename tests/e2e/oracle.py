@@ -131,7 +131,7 @@ class Probe:
 
     def _hit(self, request: Any) -> int:
         answer = self._sched._reqs[request.request_id].answer
-        return 0 if answer is None or answer.reply is None else answer.reply.result.num_hit
+        return 0 if answer is None or answer.hit is None else answer.hit.num_hit
 
     def admissions(self) -> list[Admission]:
         """Every admission so far, in the order of their first answer."""
@@ -157,7 +157,8 @@ def delete_after_lookup(
         lookup = original(st, hashes, **kwargs)
         if not hit and len(hashes) == num_chunks:
             hit.append(st.request.request_id)
-            lookup.future.result(10)
+            for future in lookup.futures:
+                future.result(10)
             for i in doomed:
                 (path,) = disk.rglob(f"{hashes[i].hex()}.kvt")
                 path.unlink()

@@ -92,7 +92,7 @@ def test_failed_load_fails_only_its_request_and_stores_nothing(tiny_model: str, 
             def lookup_then_delete(st: Any, hashes: list[bytes], hold: bool = False) -> Any:
                 lookup = original(st, hashes, hold=hold)
                 if list(st.request.prompt_token_ids) == A[1]:
-                    lookup.future.result(10)  # A's lookup found all three chunks: remove the middle one
+                    lookup.futures[0].result(10)  # A's lookup found all three chunks: remove the middle one
                     (path,) = disk.rglob(f"{hashes[1].hex()}.kvt")
                     path.unlink()
                 return lookup
