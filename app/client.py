@@ -111,6 +111,7 @@ class ServiceClient(ClientLoop):
         *,
         replaces: str = "",
         hold: bool = False,
+        stage: bool = False,
     ) -> Call[LookupReply]:
         """Count leading stored chunks and lease them under lease_id (replacing that lease); then
         end the lease replaces, when set, as a release of it right after would (one call, not two,
@@ -122,12 +123,21 @@ class ServiceClient(ClientLoop):
         takes a few sends instead of one each (each send wakes the service, at a cost to the
         caller's CPU). With nothing in flight it goes out at once, as Nagle's algorithm sends when
         nothing is unacknowledged: a lone arrival's answer is not delayed.
+
+        stage: when the hit has chunks in lower tiers, the service starts staging them right after
+        it answers, within its prestage budget, so the reads run while the request waits; a later
+        stage() of the lease joins them.
         """
         folded = ""
         if not replaces and self._releases:  # a lease release() kept rides along (see the module doc)
             folded = replaces = self._take_release()
         msg = p.Lookup(
-            id=next(self._ids), namespace=namespace, hashes=hashes, lease_id=lease_id, replaces=replaces
+            id=next(self._ids),
+            namespace=namespace,
+            hashes=hashes,
+            lease_id=lease_id,
+            replaces=replaces,
+            stage=stage,
         )
         return self._call(msg, timeout, folded, hold)
 

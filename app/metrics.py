@@ -87,6 +87,24 @@ class Latency:
         return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
 
 
+class PrestageCounts:
+    """Reads ahead (lookups with stage set): started, their bytes, skipped over the budget, failed."""
+
+    __slots__ = ("bytes", "errors", "inflight_bytes", "leases", "skipped")
+
+    def __init__(self) -> None:
+        self.leases = 0  # leases whose lower-tier hits were staged ahead
+        self.bytes = 0  # the bytes those reads brought in (chunk bytes of their lower-tier hits)
+        self.skipped = 0  # lookups not staged ahead: their reads would have passed the budget
+        self.errors = 0  # reads ahead that raised (each logged)
+        self.inflight_bytes = 0  # bytes of the reads ahead running now
+
+    def as_dict(self) -> dict[str, int]:
+        """The stats object's "prestage" entry."""
+        names = ("leases", "bytes", "skipped", "errors", "inflight_bytes")
+        return {name: getattr(self, name) for name in names}
+
+
 class ServiceMetrics:
     """Counters the service keeps beyond the store's own: calls, hits by tier, protocol errors."""
 
@@ -104,6 +122,7 @@ class ServiceMetrics:
         self.connections_total = 0
         self.registry = CollectorRegistry(auto_describe=True)
         self.latency = {name: Latency() for name in TIMED_CALLS}
+        self.prestage = PrestageCounts()
 
     def observe(self, call: str, seconds: float) -> None:
         """One timed call (lookup, stage, reserve or commit), as measured inside the service."""
@@ -179,6 +198,7 @@ def stats_dict(stats: StoreStats, metrics: ServiceMetrics, instance_id: str) -> 
         "calls": dict(metrics.calls),
         "call_errors": {f"{c}:{k}": n for (c, k), n in metrics.call_errors.items()},
         "protocol_errors": dict(metrics.protocol_errors),
+        "prestage": metrics.prestage.as_dict(),
         "service_seconds": {
             name: {"count": latency.count, "sum": round(latency.total, 6)}
             for name, latency in metrics.latency.items()
@@ -236,8 +256,19 @@ class StoreCollector(Collector):
         for kind, n in m.protocol_errors.items():
             proto.add_metric([kind], n)
         yield proto
+        yield from _prestage_families(m.prestage)
         for name in TIMED_CALLS:
             yield m.latency[name].family(f"kvtier_{name}_seconds", f"Service-side latency of {name} calls.")
+
+
+def _prestage_families(counts: PrestageCounts) -> Iterator[Metric]:
+    yield _counter("kvtier_prestaged_leases", "Leases whose lower-tier hits were read ahead.", counts.leases)
+    yield _counter("kvtier_prestaged_bytes", "Bytes of lower-tier hits read ahead.", counts.bytes)
+    yield _counter(
+        "kvtier_prestage_skipped", "Lookups not read ahead: over the prestage budget.", counts.skipped
+    )
+    yield _counter("kvtier_prestage_errors", "Reads ahead that failed.", counts.errors)
+    yield _gauge("kvtier_prestage_inflight_bytes", "Bytes of the reads ahead running.", counts.inflight_bytes)
 
 
 def _tier_families(stats: StoreStats) -> Iterator[Metric]:

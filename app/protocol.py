@@ -22,7 +22,7 @@ import msgspec
 from kvtier.storage.base import NamespaceSpec, SlotRef, Tier
 
 # The version of the messages declared below; the service refuses a Hello that names another.
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
 # A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
@@ -88,12 +88,15 @@ class Hello(_Msg, tag="hello"):
 
 class Lookup(_Msg, tag="lookup"):
     """Count leading stored chunks and lease them under lease_id; then end the lease replaces
-    (when set), as a Release of it right after this call would."""
+    (when set), as a Release of it right after this call would. stage: when the hit has chunks in
+    lower tiers, start staging the lease right after answering, within the service's prestage
+    budget (protocol 7; a later Stage joins those reads)."""
 
     namespace: Name
     hashes: list[Hash]
     lease_id: Name
     replaces: Name = ""
+    stage: bool = False
 
 
 class Stage(_Msg, tag="stage"):

@@ -232,7 +232,7 @@ async def run_service(
     inode = 0
     admin: AdminServer | None = None
     try:
-        service = Service(store, auth_token=settings.auth_token)
+        service = Service(store, auth_token=settings.auth_token, prestage_bytes=settings.prestage_limit)
         if events is not None:
             events[1].namespaces = service.specs
         arena = store.arena_info()

@@ -17,6 +17,11 @@ reserved slot -> connection.
   the lease then could hand a slot to a new save while the copy still reads it. A client that
   vanishes holding leases keeps their chunks from eviction for at most ``lease_ttl``.
 
+- A read ahead (a lookup with ``stage`` set whose hit has lower-tier chunks) is a Task the service
+  owns: it stages the lease as a Stage call would, while the request waits in vLLM's queue, and
+  ``drain`` lets it end or cancels it. Its bytes count against ``prestage_bytes`` until its reads
+  end; the lease, not the Task, then pins the promoted chunks.
+
 A connection also holds the last Report its connector sent (whether that side of its engine
 serves), which the stats list under ``engines`` for as long as the connection is open.
 """
@@ -85,8 +90,12 @@ class CallError(Exception):
 class Service:
     """Serves StoreAPI calls to many connections; see the module docstring for ownership."""
 
-    def __init__(self, store: StoreAPI, *, auth_token: str = "") -> None:
+    def __init__(self, store: StoreAPI, *, auth_token: str = "", prestage_bytes: int = 0) -> None:
         self.store = store
+        # Read-ahead budget: bytes of lower-tier hits read at once for lookups with stage set
+        # (KVTierSettings.prestage_limit); 0 = off.
+        self.prestage_bytes = prestage_bytes
+        self._prestages: set[asyncio.Task[None]] = set()
         self.instance_id = secrets.token_hex(8)  # names this run: slots of another are void
         self.max_frame = p.MAX_FRAME_BYTES
         self.metrics = ServiceMetrics(CALL_NAMES)
@@ -303,6 +312,8 @@ class Service:
 
     def _looked_up(self, msg: p.Lookup, result: LookupResult, start: float) -> p.Reply:
         self.metrics.count_hits(result.tiers, self._chunk_tokens.get(msg.namespace, 0))
+        if msg.stage and result.num_hit:
+            self._prestage(msg, result)
         offsets, lengths = _wire_slots(result.slots)
         reply = p.LookupOk(
             id=msg.id,
@@ -314,6 +325,38 @@ class Service:
         )
         self.metrics.observe("lookup", time.perf_counter() - start)
         return reply
+
+    def _prestage(self, msg: p.Lookup, result: LookupResult) -> None:
+        """Start staging the lease of a lookup whose hit has lower-tier chunks (a Task this service
+        owns), so the reads run while the request waits in vLLM's queue; skipped, and counted, when
+        those bytes would pass the budget (the worker's Stage reads them when it comes)."""
+        lower = result.num_hit - result.tiers.count(Tier.CPU)
+        spec = self.specs.get(msg.namespace)
+        if not lower or spec is None or self.prestage_bytes <= 0 or self.draining:
+            return
+        counts = self.metrics.prestage
+        nbytes = lower * spec.chunk_bytes
+        if counts.inflight_bytes + nbytes > self.prestage_bytes:
+            counts.skipped += 1
+            return
+        counts.inflight_bytes += nbytes
+        counts.leases += 1
+        counts.bytes += nbytes
+        task = asyncio.get_running_loop().create_task(
+            self._run_prestage(msg.lease_id, nbytes), name="kvtier-prestage"
+        )
+        self._prestages.add(task)
+        task.add_done_callback(self._prestages.discard)
+
+    async def _run_prestage(self, lease_id: str, nbytes: int) -> None:
+        """Stage the lease; its bytes return to the budget when the reads end, however they end."""
+        try:
+            await self.store.stage(lease_id)
+        except Exception:  # never raised into the loop: the worker's Stage reads what is missing
+            self.metrics.prestage.errors += 1
+            log.warning("staging a lease ahead failed", exc_info=True, extra={"lease_id": lease_id})
+        finally:
+            self.metrics.prestage.inflight_bytes -= nbytes
 
     async def _stage(self, conn: Connection, msg: p.Stage) -> p.Reply:
         start = time.perf_counter()
@@ -497,9 +540,11 @@ class Service:
 
     # --------------------------------------------------------------------------- shutdown
     async def drain(self, grace: float) -> None:
-        """Refuse new calls, let in-flight ones finish within grace, cancel the rest, disconnect."""
+        """Refuse new calls, let in-flight ones and reads ahead finish within grace, cancel the
+        rest, disconnect."""
         self.draining = True
-        pending = [t for c in list(self.connections) for t in c.inflight]
+        # The reads ahead too: each ends its stage before the store closes, or is cancelled.
+        pending = [t for c in list(self.connections) for t in c.inflight] + list(self._prestages)
         if pending:
             _done, late = await asyncio.wait(pending, timeout=grace)
             for task in late:

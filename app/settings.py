@@ -97,6 +97,14 @@ class KVTierSettings(BaseSettings):
     lease_ttl: float = Field(
         60.0, gt=0, description="Seconds a lookup keeps its chunks from eviction if never used."
     )
+    prestage_bytes: ByteSize = Field(
+        ByteSize(256 << 20),
+        description=(
+            "Bytes of disk and Redis hits the service reads into the CPU tier ahead, while their "
+            "requests wait in vLLM's queue (reads in flight at once; at most half of cpu_size); "
+            "0 = off: lower-tier hits are read when vLLM schedules their requests."
+        ),
+    )
     lookup_budget_ms: float = Field(
         5.0, gt=0, description="Milliseconds the scheduler waits for a lookup before asking again."
     )
@@ -215,6 +223,12 @@ class KVTierSettings(BaseSettings):
         if value < (1 << 20):
             raise ValueError("must be at least 1MiB")
         return value
+
+    @property
+    def prestage_limit(self) -> int:
+        """The service's read-ahead budget in bytes: prestage_bytes, at most half of cpu_size, so
+        that reads ahead for queued requests never take the arena from saves and cached chunks."""
+        return min(int(self.prestage_bytes), int(self.cpu_size) // 2)
 
     @property
     def redis_is_cluster(self) -> bool:

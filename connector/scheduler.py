@@ -196,6 +196,7 @@ class SchedulerSide:
                 rank_lease_id(lease_id, rank),
                 replaces=rank_lease_id(replaces, rank),
                 hold=hold,
+                stage=True,
             )
             for rank, namespace in enumerate(self._namespaces)
         ]

@@ -40,6 +40,7 @@ READ_BY: dict[str, str] = {
     "auth_token": "both",
     "chunk_size": "connector",
     "cpu_size": "service",
+    "prestage_bytes": "service",
     "disk_path": "service",
     "disk_size": "service",
     "disk_fsync": "service",

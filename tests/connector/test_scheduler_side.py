@@ -64,6 +64,7 @@ class FakeClient:
         *,
         replaces: str = "",
         hold: bool = False,
+        stage: bool = False,
     ):
         self.lookups.append(lease_id)
         self.namespaces.append(namespace)

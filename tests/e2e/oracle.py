@@ -146,23 +146,22 @@ class Probe:
 def delete_after_lookup(
     sched_connector: Any, disk: Path, num_chunks: int, doomed: Iterable[int]
 ) -> list[str]:
-    """Once the lookup of the first request with `num_chunks` chunks is answered, delete the disk files
-    of its chunks `doomed`, behind the service's back; returns (and fills in) that request's id."""
+    """Delete the disk files of chunks `doomed` of the first request with `num_chunks` chunks, behind
+    the service's back, as its lookup goes out: the service's index still lists them, so the lookup
+    finds them and the read that follows (ahead at arrival, or at load) fails; returns (and fills in)
+    that request's id."""
     sched = sched_connector._sched
     original = sched._start_lookup
     doomed = list(doomed)
     hit: list[str] = []
 
     def lookup_then_delete(st: Any, hashes: list[bytes], **kwargs: Any) -> Any:
-        lookup = original(st, hashes, **kwargs)
         if not hit and len(hashes) == num_chunks:
             hit.append(st.request.request_id)
-            for future in lookup.futures:
-                future.result(10)
             for i in doomed:
                 (path,) = disk.rglob(f"{hashes[i].hex()}.kvt")
                 path.unlink()
-        return lookup
+        return original(st, hashes, **kwargs)
 
     sched._start_lookup = lookup_then_delete
     return hit

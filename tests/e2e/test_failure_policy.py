@@ -90,12 +90,12 @@ def test_failed_load_fails_only_its_request_and_stores_nothing(tiny_model: str, 
             original = sched._start_lookup
 
             def lookup_then_delete(st: Any, hashes: list[bytes], hold: bool = False) -> Any:
-                lookup = original(st, hashes, hold=hold)
                 if list(st.request.prompt_token_ids) == A[1]:
-                    lookup.futures[0].result(10)  # A's lookup found all three chunks: remove the middle one
+                    # Behind the service's back: its index still lists the middle chunk, so A's
+                    # lookup finds all three and the read of the middle one fails.
                     (path,) = disk.rglob(f"{hashes[1].hex()}.kvt")
                     path.unlink()
-                return lookup
+                return original(st, hashes, hold=hold)
 
             sched._start_lookup = lookup_then_delete
             before, s0, w0, local0 = svc.stats(), sched_counts(llm), worker_counts(), local_hits(llm)

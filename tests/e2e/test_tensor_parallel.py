@@ -99,7 +99,7 @@ class _Service:
 
 
 def _delete_on_rank_one(llm: Any, disk: Path, chunk: int) -> dict[str, Any]:
-    """Once the first lookup of a 3-chunk prompt is answered, delete rank 1's disk copy of `chunk`."""
+    """As the first lookup of a 3-chunk prompt goes out, delete rank 1's disk copy of `chunk`."""
     from kvtier.bench.introspect import scheduler_connector
     from kvtier.storage.base import ChunkKey
     from kvtier.storage.keys import disk_relpath
@@ -108,13 +108,12 @@ def _delete_on_rank_one(llm: Any, disk: Path, chunk: int) -> dict[str, Any]:
     original, seen = sched._start_lookup, {}
 
     def lookup_then_delete(st: Any, hashes: list[bytes], **kwargs: Any) -> Any:
-        lookup = original(st, hashes, **kwargs)
         if not seen and len(hashes) == 3:
+            # Behind the service's back: its index still lists the file, so rank 1's lookup finds
+            # the chunk and its read (ahead at arrival, or at load) fails.
             seen["req_id"] = st.request.request_id
-            for future in lookup.futures:
-                future.result(10)
             (disk / disk_relpath(ChunkKey(sched._namespaces[1], hashes[chunk]))).unlink()
-        return lookup
+        return original(st, hashes, **kwargs)
 
     sched._start_lookup = lookup_then_delete
     return seen
