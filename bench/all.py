@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.chart import Headline, targets_chart
+from kvtier.bench.floors import HIT_FLOOR_TARGETS
 from kvtier.bench.progress import step
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 # (section, key, target, higher is better); the targets are the strictest an issue set.
 HEADLINES = [
+    # The storage benchmark's 2 MiB disk get (against a plain read) is a diagnostic in results.json:
+    # what a user feels is the hit's TTFT, which connector.hit_floor_ratio.disk measures.
     ("storage", "disk.put_ratio", 0.8, True),
-    ("storage", "disk.get_ratio", 0.8, True),
     ("storage", "redis.put_ratio", 1.0, True),
     ("storage", "redis.get_ratio", 2.0, True),
     ("storage", "redis.get_ratio_parallel", 1.5, True),
@@ -40,7 +42,8 @@ HEADLINES = [
     # What of a miss's gap is the forward (no kvtier code runs there) and what is kvtier's hooks.
     ("connector", "ttft.ttft_miss_forward_ratio", None, False),
     ("connector", "ttft.ttft_miss_kvtier_fraction", None, False),
-    ("connector", "ttft_cpu_hit_floor_ratio", 1.5, False),
+    # Each tier's hit against its floor: vLLM's own prefix-cache hit plus one plain move of the bytes.
+    *[("connector", f"hit_floor_ratio.{tier}", target, False) for tier, target in HIT_FLOOR_TARGETS.items()],
     ("gpu", "copy_ratio", 0.9, True),  # only where a CUDA device is
     ("storage", "disk_index.first_answer_s", 1.0, False),
     ("storage", "disk_index.index_bytes_per_chunk", 200.0, False),

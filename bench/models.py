@@ -107,7 +107,7 @@ def build_model(path: str | Path, shape: ModelShape = TINY) -> Path:
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(shape.seed)
     model = LlamaForCausalLM(config)
@@ -116,7 +116,8 @@ def build_model(path: str | Path, shape: ModelShape = TINY) -> Path:
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.08)
-    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    # transformers types `to` through a decorator that mypy reads as taking a model, not a dtype.
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)  # type: ignore[arg-type]
     marker.write_text(json.dumps(asdict(shape)))
     return out
 

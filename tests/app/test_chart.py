@@ -193,7 +193,6 @@ def test_bench_table() -> None:
     rows = [line.split() for line in lines[1:]]
     assert rows == [
         ["storage.disk.put_ratio", "0.597", ">=", "0.8", "NO"],
-        ["storage.disk.get_ratio", "0.9", ">=", "0.8", "yes"],
         ["storage.arena.stage_ratio", "0.276"],
         ["service.lookup_p50_ratio", "2.58", "<=", "3", "yes"],
         ["service.lookup_fresh_p50_ratio", "3.04", "<=", "3", "NO"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.bench.connector import ColdCopy
+from kvtier.bench.floors import ColdCopy
 
 
 def test_each_copy_takes_the_next_pieces_and_copies_them_whole() -> None:

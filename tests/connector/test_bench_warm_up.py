@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.connector import warm_up_prompts
 from kvtier.bench.models import BENCH
+from kvtier.bench.ttft import warm_up_prompts
 
 
 @pytest.mark.parametrize(
