@@ -239,6 +239,10 @@ def _leading(found: list[bool]) -> int:
     return found.index(False) if False in found else len(found)
 
 
+# vLLM's block hashes are 16 (xxhash) or 32 (sha256) bytes; its event ints are 8.
+MIN_HASH_BYTES = 16
+
+
 def _lookup_request(request: Any, service: Service) -> tuple[str, list[bytes], int] | str:
     """(namespace, block hashes, blocks per chunk) of a /lookup body, or what is wrong with it."""
     if not isinstance(request, dict):
@@ -255,6 +259,11 @@ def _lookup_request(request: Any, service: Service) -> tuple[str, list[bytes], i
         hashes = [bytes.fromhex(h) for h in raw]
     except ValueError:
         return "block_hashes must be a list of hex strings (vLLM's block hashes, in order)"
+    if any(len(h) < MIN_HASH_BYTES or len(h) != len(hashes[0]) for h in hashes):
+        return (
+            f"block_hashes must be vLLM's whole block hashes, all of one length and at least "
+            f"{MIN_HASH_BYTES} bytes (events_hash_format=bytes gives them), not the 8-byte ints"
+        )
     spec = service.specs.get(namespace)
     per_chunk = request.get("blocks_per_chunk")
     if per_chunk is None and spec is None:

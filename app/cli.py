@@ -217,6 +217,20 @@ def _print_stats(stats: dict[str, Any]) -> None:
     for key, size in _SUMMARY_KEYS:
         print(f"{key:<18} {_cell(stats.get(key, 0), size)}")
     _print_engines(stats.get("engines") or [])
+    _print_namespaces(stats.get("namespace_specs") or {})
+
+
+def _print_namespaces(specs: dict[str, dict[str, Any]]) -> None:
+    """One line per registered namespace: what a router names in POST /lookup, and whose KV it is."""
+    print(f"{'namespaces':<18} {len(specs)}")
+    for ns, spec in specs.items():
+        rank = spec.get("tp_rank", "?")
+        # tp_rank -1: KV alike on every tensor-parallel rank (MLA), one namespace all ranks load.
+        rank_text = "all" if rank == -1 else str(rank)
+        print(
+            f"  {ns}  tp {rank_text}/{spec.get('tp_size', '?')}  block {spec.get('block_size', '?')}"
+            f"  chunk {spec.get('chunk_size', '?')}  {spec.get('model', '?')}"
+        )
 
 
 def _print_engines(engines: list[dict[str, Any]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -294,3 +295,26 @@ def test_clear_of_an_unreachable_service_fails(tmp_path: Path, capsys: pytest.Ca
     code, out, err = _run(["clear", "--url", url, "--timeout", "2"], capsys)
     assert code == 1 and not out
     assert err.startswith(f"kvtier clear: kvtier service {url}: cannot connect")
+
+
+# ------------------------------------------------------------------------------------- namespaces
+def test_stats_lists_each_namespace_with_its_ranks_chunk_and_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a router operator needs for POST /lookup: each namespace id and whose KV it holds."""
+    rank1 = dataclasses.replace(SPEC, tp_rank=1, tp_size=2)
+    mla = dataclasses.replace(SPEC, model="mla-model", chunk_size=128, tp_rank=-1, tp_size=2)
+    with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        code, out, _ = _run(["stats", "--url", svc.url], capsys)
+        assert code == 0 and out.splitlines()[-1] == "namespaces         0"
+        ids = [client.hello(spec).result(5).namespace for spec in (SPEC, rank1, mla)]
+        code, out, _ = _run(["stats", "--url", svc.url], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    at = lines.index("namespaces         3")
+    expected = {
+        ids[0]: f"  {ids[0]}  tp 0/1  block 16  chunk 64  test-model",
+        ids[1]: f"  {ids[1]}  tp 1/2  block 16  chunk 64  test-model",
+        ids[2]: f"  {ids[2]}  tp all/2  block 16  chunk 128  mla-model",
+    }
+    assert lines[at + 1 :] == [expected[ns] for ns in sorted(ids)]  # sorted by id, as in the JSON

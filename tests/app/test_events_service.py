@@ -147,6 +147,12 @@ def test_lookup_answers_leading_blocks_per_tier_without_a_lease(service: Any) ->
         (b'{"namespace": "x"}', 400, "block_hashes"),
         (b'{"namespace": "x", "block_hashes": ["zz"]}', 400, "hex strings"),
         (b'{"namespace": "x", "block_hashes": [], "extra": 1}', 400, "unknown field"),
+        (b'{"namespace": "x", "block_hashes": ["00000000075bcd15"]}', 400, "not the 8-byte ints"),
+        (
+            b'{"namespace": "x", "block_hashes": ["' + b"ab" * 32 + b'", "' + b"ab" * 16 + b'"]}',
+            400,
+            "one length",
+        ),
         (b'{"namespace": "nope", "block_hashes": []}', 404, "unknown namespace"),
         (b'{"namespace": "nope", "block_hashes": [], "blocks_per_chunk": 0}', 400, "positive"),
     ],

@@ -1,7 +1,9 @@
 """KV events through a real engine: a subscriber that reads only kvtier's events holds, per tier,
 exactly the block hashes the service holds, through CPU eviction, disk writes, a corrupt blob, a
 clear and a restart with the disk kept; a late subscriber catches up through the replay socket; the
-admin lookup answers as the connector's lookup does."""
+admin lookup answers as the connector's lookup does. With a real Redis tier, the subscriber's REDIS
+set equals the keys Redis itself holds through a delete, keys Redis lost behind kvtier's back (found
+gone by a lookup's EXISTS and by a read, as docs/events.md guarantees) and a clear."""
 
 from __future__ import annotations
 
@@ -14,22 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from kvtier.app.events import MEDIUM
 from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.introspect import scheduler_connector
 from kvtier.storage import codec
 from kvtier.storage.base import ChunkKey, Tier
-from kvtier.storage.keys import disk_relpath
+from kvtier.storage.keys import REDIS_PREFIX, disk_relpath, redis_key
 from tests.app import wait_until
 from tests.e2e.oracle import forget_local_cache, wait_written
 from tests.e2e.service import RunningService, running_service
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
 CHUNK = 64
 PROMPTS = [
     make_prompt(300 + i, 270) for i in range(5)
 ]  # 4 chunks each: 20 chunks, more than the CPU tier holds
+REDIS_PROMPTS = [make_prompt(400 + i, 270) for i in range(3)]  # 4 chunks each
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "kv_events_subscriber.py"
 
 
@@ -171,3 +176,112 @@ def _lookup_api_matches_the_connectors(
         svc.client.release(f"events-test-{i}")
         assert answer["held"] == result.num_hit * bpc, (i, answer, result)
     svc.wait_leases_ended()
+
+
+# ---------------------------------------------------------------------------------------------- Redis
+def chunks_of(prompts_blocks: list[list[bytes]], bpc: int) -> dict[bytes, list[bytes]]:
+    """Each chunk's block hashes, by its key's prefix hash (the hash of its last block)."""
+    return {
+        blocks[end - 1]: blocks[end - bpc : end]
+        for blocks in prompts_blocks
+        for end in range(bpc, len(blocks) + 1, bpc)
+    }
+
+
+def redis_holds(client: redis.Redis, ns: str, chunks: dict[bytes, list[bytes]]) -> set[bytes]:
+    """The block hashes of every chunk of ns whose key Redis itself holds (its keys, read directly)."""
+    held: set[bytes] = set()
+    for name in client.scan_iter(match=f"{REDIS_PREFIX}:{ns}:*", count=1000):
+        prefix_hash = bytes.fromhex(name.decode().rsplit(":", 1)[1])
+        assert prefix_hash in chunks, f"Redis holds {name!r}, a chunk of no prompt of this test"
+        held.update(chunks[prefix_hash])
+    return held
+
+
+def redis_settled(view: Any, truth: set[bytes]) -> bool:
+    drain(view)
+    return view.held.get(MEDIUM[Tier.REDIS], set()) == truth
+
+
+def test_a_subscriber_rebuilds_the_redis_tier_through_a_delete_keys_lost_behind_kvtiers_back_and_a_clear(
+    tiny_model: str, redis_server_fn: RedisServer, tmp_path: Path
+) -> None:
+    mod = _example()
+    events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    settings = dict(
+        redis_url=redis_server_fn.url, events_url=events, events_replay_url=replay, events_hash_format="bytes"
+    )
+    raw = redis.Redis.from_url(redis_server_fn.url, socket_timeout=10, socket_connect_timeout=10)
+    view = mod.TierView(events, replay)
+    try:
+        with running_service(tmp_path / "svc", **settings) as svc:
+            cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
+            with running_engine(tiny_model, cfg) as llm:
+                seen = record_block_hashes(llm)
+                generate_each(llm, REDIS_PROMPTS, 4)
+                wait_written(svc, "redis", len(REDIS_PROMPTS) * 4)
+                ns, spec = next(iter(svc.stats()["namespace_specs"].items()))
+                bpc = spec["chunk_size"] // spec["block_size"]
+                blocks = seen[: len(REDIS_PROMPTS)]
+                chunks = chunks_of(blocks, bpc)
+                assert len(chunks) == len(REDIS_PROMPTS) * 4
+                _redis_rounds(svc, raw, view, ns, chunks, [b[bpc - 1 :: bpc] for b in blocks])
+                late = mod.TierView(events, replay)
+                try:
+                    late.catch_up()
+                    assert late.held == view.held  # every medium, the read's CPU promotions too
+                finally:
+                    late.close()
+    finally:
+        view.close()
+        raw.close()
+
+
+def _redis_rounds(
+    svc: RunningService,
+    raw: redis.Redis,
+    view: Any,
+    ns: str,
+    chunks: dict[bytes, list[bytes]],
+    prompt_keys: list[list[bytes]],
+) -> None:
+    """Stores, a delete, a key lost and found by EXISTS, one lost and found by a read, a clear: after
+    each, the subscriber's REDIS set equals what Redis holds."""
+    truth = redis_holds(raw, ns, chunks)
+    assert truth == {h for blocks in chunks.values() for h in blocks}  # every chunk was SET
+    assert wait_until(lambda: redis_settled(view, truth), 30), (view.held, truth)
+
+    assert svc.client.delete(ns, prompt_keys[0]).result(10) == 4  # from every tier, Redis too
+    truth = redis_holds(raw, ns, chunks)
+    assert truth.isdisjoint(h for k in prompt_keys[0] for h in chunks[k]) and truth
+    assert wait_until(lambda: redis_settled(view, truth), 30), (view.held, truth)
+
+    # Gone behind kvtier's back: nothing is announced until the service finds it gone...
+    assert svc.clear(Tier.CPU) == 8  # so that lookups ask Redis
+    lost = prompt_keys[1][0]
+    assert raw.delete(redis_key(ChunkKey(ns, lost))) == 1
+    drain(view)
+    assert view.held[MEDIUM[Tier.REDIS]] == truth
+    # ...then the first lookup's EXISTS that answers no announces it removed.
+    found = svc.client.lookup(ns, prompt_keys[1], "redis-exists").result(10).result
+    svc.client.release("redis-exists")
+    assert found.num_hit == 0
+    truth = redis_holds(raw, ns, chunks)
+    assert truth.isdisjoint(chunks[lost]) and len(truth) == 7 * len(chunks[lost])
+    assert wait_until(lambda: redis_settled(view, truth), 30), (view.held, truth)
+
+    # Gone between a lookup that found it and the read: the read's miss announces it removed.
+    leased = svc.client.lookup(ns, prompt_keys[2], "redis-read").result(10).result
+    assert (leased.num_hit, leased.tiers) == (4, [Tier.REDIS] * 4)
+    lost = prompt_keys[2][1]
+    assert raw.delete(redis_key(ChunkKey(ns, lost))) == 1
+    staged = svc.client.stage("redis-read").result(10).result
+    svc.client.release("redis-read")
+    assert staged.failed == [1]
+    truth = redis_holds(raw, ns, chunks)
+    assert truth.isdisjoint(chunks[lost]) and len(truth) == 6 * len(chunks[lost])
+    assert wait_until(lambda: redis_settled(view, truth), 30), (view.held, truth)
+
+    assert svc.clear(Tier.REDIS) == 6
+    assert redis_holds(raw, ns, chunks) == set()
+    assert wait_until(lambda: redis_settled(view, set()), 30), view.held
