@@ -52,6 +52,18 @@ class ConnectorConfig:
         return self.rank_namespaces or (self.namespace,)
 
 
+def _kv_dtype(cache_config: Any, kv_spec: Any) -> str:
+    """The KV element format: vLLM's cache_dtype setting (where not "auto") and the tensors' dtype.
+
+    vLLM keeps fp8_e4m3, fp8_e5m2 and its other quantized formats alike in uint8 tensors."""
+    stored = str(getattr(kv_spec, "dtype", cache_config.cache_dtype))
+    setting = str(cache_config.cache_dtype)
+    if setting == "auto":
+        return stored
+    skipped = ",".join(getattr(cache_config, "kv_cache_dtype_skip_layers", None) or [])
+    return f"{setting}/{stored}" + (f"/skip:{skipped}" if skipped else "")
+
+
 def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     if layout:
@@ -297,7 +309,7 @@ def _namespace_spec(
     parallel = vllm_config.parallel_config
     return NamespaceSpec(
         model=model_identity(vllm_config),
-        kv_dtype=str(getattr(kv_spec, "dtype", vllm_config.cache_config.cache_dtype)),
+        kv_dtype=_kv_dtype(vllm_config.cache_config, kv_spec),
         kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{type(kv_spec).__name__}",
         block_size=int(vllm_config.cache_config.block_size),
         chunk_size=chunk_size,

@@ -237,3 +237,19 @@ def test_a_chunk_size_that_is_not_a_multiple_of_the_block_size_stops_the_engine(
     vllm_config.kv_transfer_config.kv_connector_extra_config = {"chunk_size": 40}
     with pytest.raises(SettingsError, match=r"chunk_size \(KVTIER_CHUNK_SIZE\): .*; for example 256"):
         build_config(vllm_config, kv_cache_config, role_is_worker=False)
+
+
+def test_fp8_formats_stored_alike_in_uint8_get_namespaces_of_their_own() -> None:
+    """vLLM keeps fp8_e4m3 and fp8_e5m2 KV in uint8 tensors alike: the namespace must tell them apart."""
+    spec = FullAttentionSpec(**{**DENSE, "dtype": torch.uint8})
+    names = {}
+    for cache_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        vllm_config, kv_cache_config = _engine(spec)
+        vllm_config.cache_config.cache_dtype = cache_dtype
+        cfg = build_config(vllm_config, kv_cache_config, role_is_worker=False)
+        assert cfg.spec.kv_dtype == f"{cache_dtype}/torch.uint8"
+        names[cache_dtype] = cfg.namespace
+    assert names["fp8_e4m3"] != names["fp8_e5m2"]
+    # "auto" keeps the tensors' dtype alone, so the namespaces of chunks already stored stay as they were.
+    auto = build_config(*_engine(FullAttentionSpec(**DENSE)), role_is_worker=False)
+    assert auto.spec.kv_dtype == "torch.bfloat16"

@@ -27,14 +27,7 @@ import pytest
 from kvtier.bench.harness import generate_each, kv_transfer_config, running_engine
 from kvtier.bench.introspect import scheduler_connector, worker_connector
 from kvtier.bench.models import build_mla_model
-from tests.e2e.oracle import (
-    PREEMPTION_MAX_TOKENS,
-    PREEMPTION_PROMPT_LEN,
-    assert_same_outputs,
-    forget_local_cache,
-)
-from tests.e2e.service import running_service
-from tests.e2e.test_models_hybrid import (
+from tests.e2e.family_cases import (
     CHUNK,
     MAX_TOKENS,
     PREEMPTION_PROMPTS,
@@ -44,6 +37,13 @@ from tests.e2e.test_models_hybrid import (
     run_preemption,
     run_tier_rounds,
 )
+from tests.e2e.oracle import (
+    PREEMPTION_MAX_TOKENS,
+    PREEMPTION_PROMPT_LEN,
+    assert_same_outputs,
+    forget_local_cache,
+)
+from tests.e2e.service import running_service
 
 pytestmark = pytest.mark.e2e
 
