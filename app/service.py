@@ -388,10 +388,9 @@ class Service:
     def _commit(self, conn: Connection, msg: p.Commit) -> p.Reply:
         start = time.perf_counter()
         hashes, slots = self._to_commit(msg)
-        if slots and msg.block_hashes:
-            self.store.commit(msg.namespace, hashes, slots, self._covered(msg, hashes))
-        elif slots:
-            self.store.commit(msg.namespace, hashes, slots)
+        if slots:
+            covered = self._covered(msg, hashes) if msg.block_hashes else ()
+            self.store.commit(msg.namespace, hashes, slots, covered)
             self._disown(slots)  # only now: a refused commit leaves them owned
         self.metrics.observe("commit", time.perf_counter() - start)
         if len(slots) != len(msg.slots):

@@ -256,13 +256,20 @@ def test_non_loopback_tcp_requires_a_token(tmp_path: Path) -> None:
     check_bind(parse_url("tcp://[::1]:7711"), settings_for(tmp_path))
 
 
-def test_a_dropped_connection_gives_back_its_reserved_slots_not_its_leases(tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_block_hashes", [False, True], ids=["plain", "block-hashes"])
+def test_a_dropped_connection_gives_back_its_reserved_slots_not_its_leases(
+    tmp_path: Path, with_block_hashes: bool
+) -> None:
     with thread_service(tmp_path) as svc:
         conn = RawConn(svc.url)
         ns = conn.hello(spec=SPEC).namespace
         stored = hashes(4, "stored")
         got = conn.call(p.Reserve(id=2, namespace=ns, hashes=stored))
-        conn.call(p.Commit(id=3, namespace=ns, hashes=stored, slots=got.slots))
+        # A commit that names each chunk's block hashes (the connector's) gives its slots up as well.
+        covered = [[h[:16], h] for h in stored] if with_block_hashes else []
+        commit = p.Commit(id=3, namespace=ns, hashes=stored, slots=got.slots, block_hashes=covered)
+        assert conn.call(commit) == p.OkReply(id=3)
+        assert svc.call(lambda: svc.service.owned())[1] == 0
         assert conn.call(p.Lookup(id=4, namespace=ns, hashes=stored, lease_id="r1")).num_hit == 4
         pending = conn.call(p.Reserve(id=5, namespace=ns, hashes=hashes(3, "pending")))
         assert all(pending.slots)
