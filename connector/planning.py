@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +139,16 @@ def rank_lease_id(lease_id: str, rank: int) -> str:
     return f"{lease_id}@{rank}"
 
 
-def combine_rank_hits(num_hits: Sequence[int], tiers: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
+TierT = TypeVar("TierT", bound=int)  # a tier as the lookup answers name it (kvtier.storage.base.Tier)
+
+
+def combine_rank_hits(num_hits: Sequence[int], tiers: Sequence[Sequence[TierT]]) -> tuple[int, list[TierT]]:
     """One hit for every rank from each rank's lookup: the fewest leading chunks any rank holds (a
     chunk counts only if every rank holds it), each at the slowest tier a rank found it in (tiers
     are ordered fastest first)."""
     if len(num_hits) != len(tiers) or not num_hits:
         raise ValueError(f"one answer per rank: {len(num_hits)} hit counts, {len(tiers)} tier lists")
     hit = min(num_hits)
+    if len(tiers) == 1:  # one rank: its own answer, with no per-chunk work
+        return hit, list(tiers[0][:hit])
     return hit, [max(rank_tiers[i] for rank_tiers in tiers) for i in range(hit)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,7 @@ class _Hit:
 
     num_hit: int  # leading chunks every rank holds
     tiers: list[Tier]  # per chunk, the slowest tier a rank holds it in
-    slots: list[list[SlotRef | None]]  # per rank, per chunk
+    slots: list[Sequence[SlotRef | None]]  # per rank, per chunk
     instance_id: str
 
 
@@ -180,8 +181,7 @@ class SchedulerSide:
                 if result.num_hit:
                     self._end_rank_lease(st.lease_id, rank)
             st.lease_id = ""
-        hit_tiers = [Tier(t) for t in tiers]
-        return _Hit(num_hit, hit_tiers, [list(r.slots) for r in results], replies[0].instance_id)
+        return _Hit(num_hit, tiers, [r.slots for r in results], replies[0].instance_id)
 
     def _start_lookup(self, st: _Request, hashes: list[bytes], hold: bool = False) -> _Lookup:
         assert self.client is not None
@@ -406,7 +406,7 @@ class SchedulerSide:
                 break  # blocks not known (should not happen): save nothing past this point
             job.hashes.append(bytes(hashes[(chunk + 1) * bpc - 1]))
             job.block_ids.append(ids)
-            job.block_hashes.append([bytes(h) for h in hashes[chunk * bpc : (chunk + 1) * bpc]])
+            job.block_hashes.append(hashes[chunk * bpc : (chunk + 1) * bpc])
         if not job.hashes:
             return None
         st.saved_any = True
