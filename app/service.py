@@ -104,7 +104,6 @@ class Service:
         self._token = auth_token.encode()
         self._encoder = p.FrameEncoder()
         self._slots: dict[int, tuple[SlotRef, Connection]] = {}  # offset -> reserved slot, owner
-        self._chunk_tokens: dict[str, int] = {}
         self.specs: dict[str, NamespaceSpec] = {}  # registered namespaces, for stats and KV events
         self._closing: set[Connection] = set()  # dropped, with calls still in flight
         self._idle = asyncio.Event()
@@ -285,7 +284,6 @@ class Service:
         if msg.spec is not None:
             spec: NamespaceSpec = msg.spec
             namespace = self.store.register(spec)
-            self._chunk_tokens[namespace] = spec.chunk_size
             self.specs[namespace] = spec
             chunk_bytes = spec.chunk_bytes
         return p.HelloOk(
@@ -311,9 +309,10 @@ class Service:
         return self._looked_up(msg, await pending, start)
 
     def _looked_up(self, msg: p.Lookup, result: LookupResult, start: float) -> p.Reply:
-        self.metrics.count_hits(result.tiers, self._chunk_tokens.get(msg.namespace, 0))
-        if msg.stage and result.num_hit:
-            self._prestage(msg, result)
+        spec = self.specs.get(msg.namespace)
+        self.metrics.count_hits(result.tiers, spec.chunk_size if spec is not None else 0)
+        if msg.stage and result.num_hit and spec is not None and self.prestage_bytes > 0:
+            self._prestage(msg, result, spec)
         offsets, lengths = _wire_slots(result.slots)
         reply = p.LookupOk(
             id=msg.id,
@@ -326,13 +325,12 @@ class Service:
         self.metrics.observe("lookup", time.perf_counter() - start)
         return reply
 
-    def _prestage(self, msg: p.Lookup, result: LookupResult) -> None:
+    def _prestage(self, msg: p.Lookup, result: LookupResult, spec: NamespaceSpec) -> None:
         """Start staging the lease of a lookup whose hit has lower-tier chunks (a Task this service
         owns), so the reads run while the request waits in vLLM's queue; skipped, and counted, when
         those bytes would pass the budget (the worker's Stage reads them when it comes)."""
         lower = result.num_hit - result.tiers.count(Tier.CPU)
-        spec = self.specs.get(msg.namespace)
-        if not lower or spec is None or self.prestage_bytes <= 0 or self.draining:
+        if not lower or self.draining:
             return
         counts = self.metrics.prestage
         nbytes = lower * spec.chunk_bytes
