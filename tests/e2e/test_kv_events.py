@@ -97,6 +97,16 @@ def drain(view: Any) -> None:
         pass
 
 
+def _store(svc: Any, llm: Any, prompts: list[list[int]], tier: str) -> tuple[str, int, list[list[bytes]]]:
+    """Run prompts (4 chunks each) until tier holds them all; the namespace, blocks per chunk, and
+    each prompt's block hashes."""
+    seen = record_block_hashes(llm)
+    generate_each(llm, prompts, 4)
+    wait_written(svc, tier, len(prompts) * 4)
+    ns, spec = next(iter(svc.stats()["namespace_specs"].items()))
+    return ns, spec["chunk_size"] // spec["block_size"], seen[: len(prompts)]
+
+
 def settled(view: Any, expected: dict[str, set[bytes]]) -> bool:
     drain(view)
     return {m: view.held.get(m, set()) for m in expected} == expected
@@ -121,12 +131,7 @@ def test_a_subscriber_rebuilds_every_tier_through_eviction_corruption_clear_and_
         with running_service(tmp_path / "svc1", **settings) as svc:
             cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
             with running_engine(tiny_model, cfg) as llm:
-                seen = record_block_hashes(llm)
-                generate_each(llm, PROMPTS, 4)
-                wait_written(svc, "disk", len(PROMPTS) * 4)
-                ns, spec = next(iter(svc.stats()["namespace_specs"].items()))
-                bpc = spec["chunk_size"] // spec["block_size"]
-                blocks = seen[: len(PROMPTS)]
+                ns, bpc, blocks = _store(svc, llm, PROMPTS, "disk")
                 assert svc.stats()["tiers"]["cpu"]["evictions"] > 0, "the CPU tier never evicted"
                 _corrupt_first_chunk(tmp_path / "disk", ns, blocks[0][bpc - 1], svc, llm)
                 _lookup_api_matches_the_connectors(svc, admin, ns, bpc, blocks)
@@ -217,12 +222,7 @@ def test_a_subscriber_rebuilds_the_redis_tier_through_a_delete_keys_lost_behind_
         with running_service(tmp_path / "svc", **settings) as svc:
             cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
             with running_engine(tiny_model, cfg) as llm:
-                seen = record_block_hashes(llm)
-                generate_each(llm, REDIS_PROMPTS, 4)
-                wait_written(svc, "redis", len(REDIS_PROMPTS) * 4)
-                ns, spec = next(iter(svc.stats()["namespace_specs"].items()))
-                bpc = spec["chunk_size"] // spec["block_size"]
-                blocks = seen[: len(REDIS_PROMPTS)]
+                ns, bpc, blocks = _store(svc, llm, REDIS_PROMPTS, "redis")
                 chunks = chunks_of(blocks, bpc)
                 assert len(chunks) == len(REDIS_PROMPTS) * 4
                 _redis_rounds(svc, raw, view, ns, chunks, [b[bpc - 1 :: bpc] for b in blocks])
