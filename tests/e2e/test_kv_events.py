@@ -101,8 +101,11 @@ def _store(svc: Any, llm: Any, prompts: list[list[int]], tier: str) -> tuple[str
     """Run prompts (4 chunks each) until tier holds them all; the namespace, blocks per chunk, and
     each prompt's block hashes."""
     seen = record_block_hashes(llm)
-    generate_each(llm, prompts, 4)
-    wait_written(svc, tier, len(prompts) * 4)
+    for done, prompt in enumerate(prompts, 1):
+        # One prompt at a time: a CPU chunk is pinned until its write lands, so a save that found
+        # every CPU slot pinned would be dropped (by design) and the tier would never hold them all.
+        generate_each(llm, [prompt], 4)
+        wait_written(svc, tier, done * 4)
     ns, spec = next(iter(svc.stats()["namespace_specs"].items()))
     return ns, spec["chunk_size"] // spec["block_size"], seen[: len(prompts)]
 
