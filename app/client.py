@@ -112,6 +112,7 @@ class ServiceClient(ClientLoop):
         replaces: str = "",
         hold: bool = False,
         stage: bool = False,
+        direct_disk: bool = False,
     ) -> Call[LookupReply]:
         """Count leading stored chunks and lease them under lease_id (replacing that lease); then
         end the lease replaces, when set, as a release of it right after would (one call, not two,
@@ -126,7 +127,8 @@ class ServiceClient(ClientLoop):
 
         stage: when the hit has chunks in lower tiers, the service starts staging them right after
         it answers, within its prestage budget, so the reads run while the request waits; a later
-        stage() of the lease joins them.
+        stage() of the lease joins them. direct_disk: the engine reads disk hits itself (file
+        channel), so only a hit with Redis chunks is read ahead.
         """
         folded = ""
         if not replaces and self._releases:  # a lease release() kept rides along (see the module doc)
@@ -138,12 +140,23 @@ class ServiceClient(ClientLoop):
             lease_id=lease_id,
             replaces=replaces,
             stage=stage,
+            direct_disk=direct_disk,
         )
         return self._call(msg, timeout, folded, hold)
 
     def stage(self, lease_id: str, timeout: float | None = None) -> Call[StageReply]:
         """Bring every chunk of the lease into arena slots."""
         return self._call(p.Stage(id=next(self._ids), lease_id=lease_id), timeout)
+
+    def disk_reads(
+        self, namespace: str, hashes: list[bytes], nbytes: int, corrupt: list[bytes]
+    ) -> Call[None]:
+        """Tell the service which disk chunks this engine read from their files itself (hits, nbytes
+        in all) and which of them were corrupt (the service counts and removes those)."""
+        msg = p.DiskReads(
+            id=next(self._ids), namespace=namespace, hashes=hashes, nbytes=nbytes, corrupt=corrupt
+        )
+        return self._call(msg, None)
 
     def reserve(
         self, namespace: str, hashes: list[bytes], timeout: float | None = None

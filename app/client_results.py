@@ -27,6 +27,7 @@ class HelloReply:
     namespace: str = ""
     chunk_bytes: int = 0
     version: int = p.PROTOCOL_VERSION
+    files: bool = False  # the service serves its disk files over the file channel
 
     @property
     def arena_path(self) -> str:
@@ -75,6 +76,7 @@ def _hello(msg: p.HelloOk) -> HelloReply:
         msg.namespace,
         msg.chunk_bytes,
         msg.version,
+        msg.files,
     )
 
 
@@ -119,6 +121,7 @@ CONVERT: dict[type, tuple[type, Callable[[Any], Any]]] = {
     p.Reserve: (p.ReserveOk, _reserve),
     p.Commit: (p.OkReply, _none),
     p.Abort: (p.OkReply, _none),
+    p.DiskReads: (p.OkReply, _none),
     p.Delete: (p.CountReply, _count),
     p.Clear: (p.CountReply, _count),
     p.Stats: (p.StatsOk, _stats),

@@ -22,7 +22,7 @@ import msgspec
 from kvtier.storage.base import NamespaceSpec, SlotRef, Tier
 
 # The version of the messages declared below; the service refuses a Hello that names another.
-PROTOCOL_VERSION: Final = 7
+PROTOCOL_VERSION: Final = 8
 HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
 # A 512-chunk lookup (128k tokens at chunk_size 256) is ~20 KB; 8 MiB leaves room without letting a
@@ -97,6 +97,7 @@ class Lookup(_Msg, tag="lookup"):
     lease_id: Name
     replaces: Name = ""
     stage: bool = False
+    direct_disk: bool = False  # the engine reads disk hits itself: read ahead only Redis hits (8)
 
 
 class Stage(_Msg, tag="stage"):
@@ -146,6 +147,16 @@ class Delete(_Msg, tag="delete"):
     hashes: list[Hash]
 
 
+class DiskReads(_Msg, tag="disk_reads"):
+    """An engine read these disk chunks from their files itself (file channel, protocol 8): the
+    good ones (nbytes in all) count as disk hits; the corrupt ones are counted and removed."""
+
+    namespace: Name
+    hashes: list[Hash]
+    nbytes: int
+    corrupt: list[Hash] = []
+
+
 class Clear(_Msg, tag="clear"):
     """Drop every unleased chunk of the named tiers (Tier values); empty = every tier."""
 
@@ -177,13 +188,26 @@ def one_value(values: list[V]) -> list[V] | V:
 
 
 Request = (
-    Hello | Lookup | Stage | Reserve | Commit | Abort | Release | Delete | Clear | Stats | Health | Report
+    Hello
+    | Lookup
+    | Stage
+    | Reserve
+    | Commit
+    | Abort
+    | Release
+    | Delete
+    | DiskReads
+    | Clear
+    | Stats
+    | Health
+    | Report
 )
 
 
 # ------------------------------------------------------------------------------------------ replies
 class HelloOk(_Msg, tag="hello_ok"):
-    """Handshake answer; namespace and chunk_bytes are set when a spec was registered."""
+    """Handshake answer; namespace and chunk_bytes are set when a spec was registered. files: the
+    service serves its disk tier's files beside its unix socket (``kvtier.app.file_channel``)."""
 
     version: int
     instance_id: str
@@ -191,6 +215,7 @@ class HelloOk(_Msg, tag="hello_ok"):
     arena_size: int
     namespace: str = ""
     chunk_bytes: int = 0
+    files: bool = False
 
 
 class LookupOk(_Msg, tag="lookup_ok"):

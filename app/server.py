@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING, Protocol
 from kvtier.app.address import Address, parse_url, resolve_url
 from kvtier.app.connection import Connection
 from kvtier.app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
+from kvtier.app.file_channel import FileServer, channel_path
 from kvtier.app.logs import LogStream, resolve_format, secrets_of, setup_logging
 from kvtier.app.service import Service
 from kvtier.app.settings import KVTierSettings, SettingsError, load_settings, log_ignored_env
 from kvtier.runtime.affinity import parse_cpus, run_on
 from kvtier.runtime.event_loop import new_event_loop
 from kvtier.storage.base import StorageError, StoreAPI, TierListener
+from kvtier.storage.keys import disk_relpath
 
 if TYPE_CHECKING:
     from kvtier.app.admin import AdminServer
@@ -231,8 +233,14 @@ async def run_service(
     server: asyncio.Server | None = None
     inode = 0
     admin: AdminServer | None = None
+    files = _start_files(settings, address)
     try:
-        service = Service(store, auth_token=settings.auth_token, prestage_bytes=settings.prestage_limit)
+        service = Service(
+            store,
+            auth_token=settings.auth_token,
+            prestage_bytes=settings.prestage_limit,
+            files=files is not None,
+        )
         if events is not None:
             events[1].namespaces = service.specs
         arena = store.arena_info()
@@ -258,9 +266,25 @@ async def run_service(
         await _serve_until(service, options, stop)
     finally:
         try:
+            if files is not None:
+                await asyncio.to_thread(files.close)
             await _shutdown(service, server, admin, store, (address, inode), options)
         finally:
             await _close_events(events)
+
+
+def _start_files(settings: KVTierSettings, address: Address) -> FileServer | None:
+    """The file channel beside a unix socket, when the disk tier is on and engines may read it."""
+    if address.scheme != "unix" or not settings.disk_path or not settings.disk_direct_reads:
+        return None
+    root = os.path.join(settings.disk_path, "")
+    try:
+        return FileServer(
+            channel_path(address.path), lambda key: root + disk_relpath(key), settings.auth_token
+        )
+    except OSError as exc:
+        log.warning("disk files are not served to engines (%s): the service reads disk hits", exc)
+        return None
 
 
 async def _close_events(events: tuple[EventPublisher, EventRecorder] | None) -> None:

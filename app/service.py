@@ -90,11 +90,14 @@ class CallError(Exception):
 class Service:
     """Serves StoreAPI calls to many connections; see the module docstring for ownership."""
 
-    def __init__(self, store: StoreAPI, *, auth_token: str = "", prestage_bytes: int = 0) -> None:
+    def __init__(
+        self, store: StoreAPI, *, auth_token: str = "", prestage_bytes: int = 0, files: bool = False
+    ) -> None:
         self.store = store
         # Read-ahead budget: bytes of lower-tier hits read at once for lookups with stage set
         # (KVTierSettings.prestage_limit); 0 = off.
         self.prestage_bytes = prestage_bytes
+        self.files = files  # its disk tier's files are served beside its socket (app.file_channel)
         self._prestages: set[asyncio.Task[None]] = set()
         self.instance_id = secrets.token_hex(8)  # names this run: slots of another are void
         self.max_frame = p.MAX_FRAME_BYTES
@@ -118,6 +121,7 @@ class Service:
             p.Abort: self._abort,
             p.Release: self._release,
             p.Delete: self._delete,
+            p.DiskReads: self._disk_reads,
             p.Clear: self._clear,
             p.Stats: self._stats,
             p.Health: self._health,
@@ -294,6 +298,7 @@ class Service:
             arena_size=arena.size,
             namespace=namespace,
             chunk_bytes=chunk_bytes,
+            files=self.files,
         )
 
     def _lookup(self, conn: Connection, msg: p.Lookup) -> Answer:
@@ -330,8 +335,8 @@ class Service:
         owns), so the reads run while the request waits in vLLM's queue; skipped, and counted, when
         those bytes would pass the budget (the worker's Stage reads them when it comes)."""
         lower = result.num_hit - result.tiers.count(Tier.CPU)
-        if not lower or self.draining:
-            return
+        if not lower or self.draining or (msg.direct_disk and Tier.REDIS not in result.tiers):
+            return  # nothing below the CPU tier, or only disk chunks the engine reads itself
         counts = self.metrics.prestage
         nbytes = lower * spec.chunk_bytes
         if counts.inflight_bytes + nbytes > self.prestage_bytes:
@@ -462,6 +467,10 @@ class Service:
 
     async def _delete(self, conn: Connection, msg: p.Delete) -> p.Reply:
         return p.CountReply(id=msg.id, count=await self.store.delete(msg.namespace, msg.hashes))
+
+    async def _disk_reads(self, conn: Connection, msg: p.DiskReads) -> p.Reply:
+        await self.store.disk_reads(msg.namespace, msg.hashes, msg.nbytes, msg.corrupt)
+        return p.OkReply(id=msg.id)
 
     async def _clear(self, conn: Connection, msg: p.Clear) -> p.Reply:
         try:

@@ -74,6 +74,11 @@ class KVTierSettings(BaseSettings):
     disk_path: str = Field("", description="Directory of the disk tier; empty = disk tier off.")
     disk_size: ByteSize = Field(ByteSize(16 << 30), description="Disk tier capacity, e.g. 100GiB.")
     disk_fsync: bool = Field(False, description="fsync every chunk file before it is renamed in.")
+    disk_direct_reads: bool = Field(
+        True,
+        description="Engines on the service's host read disk hits from the chunk files themselves, "
+        "opened by the service and passed over its unix socket (CPU KV caches; off = the service reads).",
+    )
     redis_url: str = Field(
         "",
         description="redis://, rediss://, unix:// or redis+cluster://host:port; empty = Redis off.",

@@ -44,6 +44,7 @@ READ_BY: dict[str, str] = {
     "disk_path": "service",
     "disk_size": "service",
     "disk_fsync": "service",
+    "disk_direct_reads": "both",
     "redis_url": "service",
     "redis_cluster": "service",
     "redis_ttl": "service",

@@ -427,6 +427,12 @@ class StoreAPI(Protocol):
     async def delete(self, namespace: str, hashes: list[bytes]) -> int:
         """Remove these chunks from every tier (leased ones too); returns how many were found."""
 
+    async def disk_reads(
+        self, namespace: str, hashes: list[bytes], nbytes: int, corrupt: list[bytes]
+    ) -> None:
+        """Count disk chunks a client read from their files itself: hits (nbytes in all), and
+        corrupt ones, which are removed."""
+
     async def clear(self, tiers: list[Tier]) -> int:
         """Drop every unleased chunk from the named tiers; returns how many were dropped."""
 

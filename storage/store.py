@@ -51,6 +51,7 @@ from kvtier.storage.leases import Lease, LeaseTable
 from kvtier.storage.reservations import Reservations
 from kvtier.storage.staging import Stager
 from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
+from kvtier.storage.tiers.disk import DiskTier
 from kvtier.storage.writeback import WriteBack
 
 log = logging.getLogger(__name__)
@@ -383,6 +384,16 @@ class TieredStore:
         self._cpu.unpin(slot)
 
     # ------------------------------------------------------------------------------------ removal
+    async def disk_reads(
+        self, namespace: str, hashes: list[bytes], nbytes: int, corrupt: list[bytes]
+    ) -> None:
+        """Count disk chunks a client read from their files itself: hits (nbytes in all), and
+        corrupt ones, which are removed."""
+        self._chunk_bytes_of(namespace)
+        disk = next((t for t in self._lower if isinstance(t, DiskTier)), None)
+        if disk is not None:
+            await disk.read_elsewhere(chunk_keys(namespace, hashes), nbytes, chunk_keys(namespace, corrupt))
+
     async def delete(self, namespace: str, hashes: list[bytes]) -> int:
         """Remove these chunks from every tier (leased ones too); returns how many were found."""
         self._chunk_bytes_of(namespace)

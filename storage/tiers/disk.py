@@ -333,6 +333,22 @@ class DiskTier:
         self._stats.bytes_read += dest.nbytes
         return True
 
+    async def read_elsewhere(self, good: list[ChunkKey], nbytes: int, corrupt: list[ChunkKey]) -> None:
+        """Count chunks a client read from their files itself as get_into() would: the good ones
+        are hits, touched for LRU; the corrupt ones are counted and their files removed."""
+        for key in good:
+            compact = self._index.find(key)
+            if compact is not None:
+                self._touch(compact)
+        self._stats.hits += len(good)
+        self._stats.bytes_read += nbytes
+        for key in corrupt:
+            self._stats.count_error("corrupt")
+            self._stats.misses += 1
+            self._drop(key)
+        if corrupt:
+            await self._remove(corrupt)
+
     async def delete(self, key: ChunkKey) -> None:
         """Remove key; a pinned key disappears from lookups now and from disk at its last unpin.
         While the index loads, a key it does not hold yet may still have a file: that goes too."""

@@ -78,10 +78,14 @@ class World:
         for i in idx:
             self.disk.data[self.key(i)] = payload(H[i])
 
-    async def lookup(self, idx: list[int], lease: str, stage: bool = True) -> p.LookupOk:
+    async def lookup(
+        self, idx: list[int], lease: str, stage: bool = True, direct_disk: bool = False
+    ) -> p.LookupOk:
         hashes = [H[i] for i in idx]
         return await self.peer.call(
-            lambda i: p.Lookup(id=i, namespace=self.ns, hashes=hashes, lease_id=lease, stage=stage)
+            lambda i: p.Lookup(
+                id=i, namespace=self.ns, hashes=hashes, lease_id=lease, stage=stage, direct_disk=direct_disk
+            )
         )
 
     @property
@@ -101,10 +105,10 @@ async def make(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """make(prestage_bytes) -> World; every store is closed, and its arena gone, after."""
     worlds: list[World] = []
 
-    async def factory(prestage_bytes: int = 16 * CHUNK) -> World:
+    async def factory(prestage_bytes: int = 16 * CHUNK, redis: FakeTier | None = None) -> World:
         arena = Arena.create(tmp_path, 8 * CHUNK, prefault=False)
         disk = FakeTier(Tier.DISK)
-        store = TieredStore(arena, [disk], StoreConfig(lease_ttl=30.0))
+        store = TieredStore(arena, [disk, *([redis] if redis else [])], StoreConfig(lease_ttl=30.0))
         service = Service(store, prestage_bytes=prestage_bytes)
         peer = Peer(service)
         hello = await peer.call(lambda i: p.Hello(id=i, version=p.PROTOCOL_VERSION, spec=SPEC))
@@ -207,6 +211,21 @@ async def test_no_read_ahead_without_the_flag_or_with_the_budget_at_zero(
     assert answer.num_hit == 1
     assert not world.service._prestages and world.disk.gets == []
     assert world.counts == {"leases": 0, "bytes": 0, "skipped": 0, "errors": 0, "inflight_bytes": 0}
+
+
+async def test_an_engine_that_reads_disk_files_itself_gets_only_redis_hits_read_ahead(make) -> None:
+    redis = FakeTier(Tier.REDIS)
+    world = await make(redis=redis)
+    world.on_disk(0, 1)
+    answer = await world.lookup([0, 1], "r", direct_disk=True)
+    assert answer.num_hit == 2 and answer.tiers == Tier.DISK
+    assert not world.service._prestages and world.disk.gets == []  # the worker reads these itself
+    redis.data[world.key(2)] = payload(H[2])
+    answer = await world.lookup([0, 1, 2], "r", direct_disk=True)
+    assert answer.tiers == [Tier.DISK, Tier.DISK, Tier.REDIS]
+    await world.reads_ended()
+    # A hit with Redis chunks is read ahead whole (its disk chunks come along with the Redis one).
+    assert redis.gets == [world.key(2)] and world.counts["leases"] == 1
 
 
 async def test_a_lease_released_while_reading_ahead_keeps_no_slot_and_no_pin(make) -> None:

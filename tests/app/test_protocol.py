@@ -28,6 +28,7 @@ REQUESTS = [
     p.Release(id=8, lease_id="req-1"),
     p.Release(id=8, lease_id="req-1", reply=False),
     p.Delete(id=9, namespace="ns", hashes=H),
+    p.DiskReads(id=9, namespace="ns", hashes=H, nbytes=1 << 21, corrupt=H[:1]),
     p.Clear(id=10, tiers=[0, 2]),
     p.Stats(id=11),
     p.Health(id=12),

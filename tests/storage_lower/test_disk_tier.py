@@ -241,6 +241,21 @@ async def test_deleted_truncated_and_flipped_files_are_never_served(tmp_path: Pa
     await tier.close()
 
 
+async def test_reads_an_engine_made_itself_count_as_hits_and_corrupt_files_go(tmp_path: Path) -> None:
+    tier = await started(tmp_path, size=3 * BLOB)
+    for i in range(3):
+        assert await tier.put(key(i), payload(i))
+    # Read elsewhere (the file channel): chunk 0 good, chunk 1 corrupt. Chunk 0 is now the most
+    # recently used, so the next put evicts chunk 2, the least recently used left.
+    await tier.read_elsewhere([key(0)], CHUNK, [key(1)])
+    stats = tier.stats()
+    assert (stats.hits, stats.bytes_read, stats.misses, stats.errors) == (1, CHUNK, 1, {"corrupt": 1})
+    assert not exists(tier.path_of(key(1)))
+    assert await tier.put(key(3), payload(3)) and await tier.put(key(4), payload(4))
+    assert await tier.contains_many([key(i) for i in range(5)]) == [True, False, False, True, True]
+    await tier.close()
+
+
 async def test_length_mismatch_is_counted_not_deleted(tmp_path: Path) -> None:
     tier = await started(tmp_path)
     assert await tier.put(key(1), payload(1))
