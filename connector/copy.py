@@ -255,6 +255,26 @@ class BlockCopier:
             overlap_loads = loads_overlap(helper_cpus, torch.get_num_threads())
         self.overlap_loads = overlap_loads and self._helper is not None and self._gpu is None
 
+    def run_all(self, tasks: Sequence[Callable[[], None]]) -> None:
+        """Run tasks, every second one on the copy thread where there is one (CPU, a second CPU),
+        returning once all have ended; CopyError if one run on the thread raised."""
+        if self._helper is None or self._gpu is not None or len(tasks) < 2:
+            for task in tasks:
+                task()
+            return
+        for task in tasks[1::2]:
+            self._helper.submit(task)
+        try:
+            for task in tasks[::2]:
+                task()
+        finally:
+            self._helper.wait()
+
+    @property
+    def host_planes(self) -> list[list[np.ndarray]] | None:
+        """Each layer's planes as numpy views of the KV cache in host memory; None on CUDA."""
+        return self._np_layers if self._gpu is None else None
+
     @property
     def cpu_threads(self) -> int:
         """Threads a CPU copy runs on: 2 with the copy thread, else 1 (and 1 on CUDA)."""

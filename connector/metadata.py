@@ -22,8 +22,10 @@ class ChunkLoad:
     """Copy blocks ``[first, first + len(block_ids))`` of leased chunk ``index`` into ``block_ids``.
 
     ``slot`` is the arena slot (offset, length) of a CPU-tier hit for rank 0, ``rank_slots`` those
-    of ranks 1 on (each rank's lookup leased its own copy); None when the worker must stage the lease
-    first (a lower-tier hit, loaded asynchronously).
+    of ranks 1 on (each rank's lookup leased its own copy); None where that rank's copy is in a lower
+    tier (loaded asynchronously: staged, or read from its file). ``key`` is the chunk's hash and
+    ``tier`` the slowest tier any rank holds it in (a Tier value), for a worker that reads disk hits
+    itself.
     """
 
     index: int
@@ -31,6 +33,8 @@ class ChunkLoad:
     block_ids: list[int]
     slot: tuple[int, int] | None = None
     rank_slots: list[tuple[int, int] | None] = field(default_factory=list)
+    key: bytes = b""
+    tier: int = 0
 
     def slot_of(self, rank: int) -> tuple[int, int] | None:
         """The arena slot rank ``rank`` loads from (None: none, or a lower-tier hit)."""

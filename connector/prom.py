@@ -41,6 +41,16 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
         "Blocks whose load failed (recomputed).",
         None,
     ),
+    "disk_read_chunks": (
+        "vllm:kvtier_disk_read_chunks",
+        "Disk-hit chunks the worker read from their files itself (the service's file channel).",
+        None,
+    ),
+    "disk_read_fallbacks": (
+        "vllm:kvtier_disk_read_fallbacks",
+        "Loads whose disk files were gone or whose file channel failed: the service read them.",
+        None,
+    ),
     "saved_tokens": ("vllm:kvtier_saved_tokens", "Tokens of KV stored into kvtier.", None),
     "save_skipped_chunks": (
         "vllm:kvtier_save_skipped_chunks",

@@ -19,6 +19,7 @@ from typing import Any
 from kvtier.app.client import Call, LookupReply, ServiceClient
 from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.disk_reads import file_channel_of
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.planning import (
     chunk_block_ids,
@@ -110,6 +111,9 @@ class SchedulerSide:
         self._step_tokens = max(1, cfg.step_tokens)
         # One lookup per rank, each under its own lease: a chunk is a hit when every rank holds it.
         self._namespaces = cfg.lookup_namespaces
+        # Workers read disk hits themselves: the service then reads ahead only Redis hits.
+        url = client.url if client is not None else ""
+        self._direct_disk = bool(file_channel_of(cfg.settings.disk_direct_reads, url, cfg.spec.kv_layout))
 
     # ------------------------------------------------------------------------------------ lookups
     def on_new_request(self, request: Any) -> None:
@@ -197,6 +201,7 @@ class SchedulerSide:
                 replaces=rank_lease_id(replaces, rank),
                 hold=hold,
                 stage=True,
+                direct_disk=self._direct_disk,
             )
             for rank, namespace in enumerate(self._namespaces)
         ]
@@ -244,11 +249,13 @@ class SchedulerSide:
         is_async = any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
         chunks = []
         sources: dict[Tier, int] = {}
+        hashes, last = request.block_hashes, self._bpc - 1
         for s in spans:
-            slots = [None if is_async else _slot(rank_slots[s.chunk]) for rank_slots in hit.slots]
+            slots = [_slot(rank_slots[s.chunk]) for rank_slots in hit.slots]
             ids = table[s.table_start : s.table_start + s.count]
-            chunks.append(ChunkLoad(s.chunk, s.first, ids, slots[0], slots[1:]))
             tier = hit.tiers[s.chunk]
+            key = bytes(hashes[s.chunk * self._bpc + last]) if is_async else b""
+            chunks.append(ChunkLoad(s.chunk, s.first, ids, slots[0], slots[1:], key, int(tier)))
             sources[tier] = sources.get(tier, 0) + s.count * self.geo.block_size
         st.hit_sources = sources
         self.counters.count_hits(sources)

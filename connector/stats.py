@@ -86,6 +86,8 @@ class WorkerCounters(_Counts):
     full_graph_loads: int = 0  # steps whose loads a full CUDA graph replay waited for as a whole
     load_seconds: float = 0.0
     save_seconds: float = 0.0
+    disk_read_chunks: int = 0  # disk hits this worker read from their files itself (file channel)
+    disk_read_fallbacks: int = 0  # loads that found a file gone or the channel down: staged instead
 
 
 def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Who owns what: vLLM's worker thread owns this object and every copy. The service client's thread only
 completes futures; results are consumed here, on the worker thread, when vLLM polls. Per step:
 ``bind_connector_metadata`` fires the reserves for this step's saves; ``start_load_kv`` starts copying
-CPU-tier hits into their blocks layer by layer and fires stages for lower-tier hits;
+CPU-tier hits into their blocks layer by layer and fires stages for lower-tier hits (or hands disk
+hits to its disk reader, which reads the chunk files straight into the blocks: ``disk_reads``);
 ``wait_for_layer_load`` holds each attention layer until its loads are in place; ``wait_for_save`` hands
 the step's finished chunks to the copier, which copies them into reserved slots (on its copy thread,
 while vLLM goes on, when it has one) and then commits them; ``get_finished`` completes async loads and
@@ -27,17 +28,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError, StageReply
+from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError
+from kvtier.app.file_channel import FileChannelError, FileClient
 from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.copy import BlockCopier, LayerLoads
 from kvtier.connector.copy_thread import CopyError
+from kvtier.connector.disk_reads import (
+    CHANNEL_TIMEOUT_S,
+    DiskReader,
+    DiskReadResult,
+    direct_reads,
+    file_channel_of,
+)
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.stats import WorkerCounters, merge_counts
 from kvtier.connector.worker_arena import WorkerArena
+from kvtier.connector.worker_jobs import PendingLoad, SavedJob, StepLoads, layers_wait_in_forward
 from kvtier.runtime.affinity import engine_cpus
 from kvtier.storage.base import SlotRef
 
@@ -49,46 +58,6 @@ log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler,
 SAVE_WAIT_S = 0.02
 SAVE_PROBE_S = 0.001
 HELLO_WAIT_S = 5.0
-
-
-@dataclass(slots=True)
-class _SavedJob:
-    """One request's chunks of a step's save batch: what to commit once the copies have ended."""
-
-    hashes: list[bytes]
-    slots: list[SlotRef]
-    instance_id: str
-    block_hashes: list[list[bytes]] = field(default_factory=list)  # each chunk's, for KV events
-
-
-@dataclass(slots=True)
-class _StepLoads:
-    """A step's layer-by-layer sync loads, from start_load until they are finished and checked."""
-
-    loads: LayerLoads
-    jobs: list[tuple[LoadJob, list[int]]]  # each job and the indices of its chunks already failed
-    started: float
-    waited: set[int]  # layers the forward waited for
-
-
-@dataclass(slots=True)
-class _PendingLoad:
-    job: LoadJob
-    future: Call[StageReply]
-    started: float
-
-
-def layers_wait_in_forward(forward_context: Any) -> bool:
-    """Whether the forward about to run asks for each layer's loads (``wait_for_layer_load``): an
-    eager or piecewise-graph forward does (attention runs outside the graphs); a full CUDA graph
-    replay does not, nor does a forward whose context is not set yet when loads start (vLLM's
-    model runner V2 starts them outside any context before it replays a full graph)."""
-    if forward_context is None:  # called outside vLLM's model runner (tests, benchmarks)
-        return True
-    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
-    if getattr(mode, "name", mode) == "FULL":
-        return False
-    return getattr(forward_context, "attn_metadata", None) is not None
 
 
 class WorkerSide:
@@ -108,7 +77,7 @@ class WorkerSide:
         self._saves_issued = 0  # save batches handed to the copier; they end in this order
         self._saves_done = 0
         self._reserves: list[tuple[SaveJob, Call[ReserveReply]]] = []
-        self._async: dict[str, _PendingLoad] = {}
+        self._async: dict[str, PendingLoad] = {}
         self._load_errors: set[int] = set()
         self._failed_this_step: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -119,13 +88,14 @@ class WorkerSide:
         self._rank = cfg.rank  # which rank's lease and slots of a load plan are this worker's
         self._layer_index = {name: i for i, name in enumerate(cfg.layer_names)}
         self._all_layers = frozenset(self._layer_index.values())
-        self._step_loads: _StepLoads | None = None
+        self._step_loads: StepLoads | None = None
         self._layered = True  # until vLLM is seen to skip a wait_for_layer_load
         # Layers the forward waits for before the step's first finish point (wait_for_save,
         # get_finished or the load-error report); a drafter's layers run after it (see _end_forward).
         self._in_forward = False
         self._waits_now: set[int] = set()
         self._forward_layers: set[int] = set()
+        self._disk: DiskReader | None = None  # reads disk hits from their files (file channel)
         if client is not None:
             self._hello = client.hello(cfg.spec)
 
@@ -158,6 +128,7 @@ class WorkerSide:
                 if reply.instance_id != self._arena.instance_id:
                     self._fence()  # no copy may still use the mapping that adopt() replaces
                 self._arena.adopt(reply, pin_here=wait > 0)  # at start-up; else off the serving path
+                self._start_disk_reader(reply)
             except (ServiceError, TimeoutError, OSError) as exc:
                 log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
             except Exception as exc:  # a failed mapping must not take vLLM down
@@ -171,6 +142,24 @@ class WorkerSide:
             self._hello = None
         if self.client.connected and self.client.instance_id != self._arena.instance_id:
             self._hello = self.client.hello(self.cfg.spec)
+
+    def _start_disk_reader(self, reply: HelloReply) -> None:
+        """Read disk hits from their files from now on, where the service offers its file channel."""
+        copier = self.copier
+        planes = copier.host_planes if copier is not None else None
+        if (
+            self._disk is not None
+            or not reply.files
+            or copier is None
+            or planes is None
+            or self.client is None
+        ):
+            return
+        path = file_channel_of(self.cfg.settings.disk_direct_reads, self.client.url, self.cfg.spec.kv_layout)
+        if path:
+            files = FileClient(path, self.cfg.settings.auth_token, timeout=CHANNEL_TIMEOUT_S)
+            bpc = self.cfg.geometry.blocks_per_chunk
+            self._disk = DiskReader(files, self.cfg.namespace, planes, bpc, copier.run_all)
 
     @property
     def ready(self) -> bool:
@@ -206,8 +195,7 @@ class WorkerSide:
                 self._release(job.lease_of(self._rank))
                 self._finished_recving.add(job.req_id)
             else:
-                future = self.client.stage(job.lease_of(self._rank))
-                self._async[job.req_id] = _PendingLoad(job, future, time.monotonic())
+                self._async[job.req_id] = self._start_async(job, time.monotonic())
         if not sync:
             return
         self._load_layered(sync)
@@ -222,6 +210,21 @@ class WorkerSide:
             step.loads.wait_layer(len(self._all_layers) - 1)
             step.waited = set(self._all_layers)
             self.counters.full_graph_loads += 1
+
+    def _start_async(self, job: LoadJob, started: float) -> PendingLoad:
+        """Open the job's disk files to read them here where it can, else stage its lease."""
+        reads = direct_reads(job, self._rank) if self._disk is not None else None
+        if reads is not None and self._disk is not None:
+            try:
+                load = self._disk.open(reads)
+            except FileChannelError as exc:
+                log.debug("kvtier: file channel: %s; staging %s instead", exc, job.req_id)
+                load = None
+            if load is not None:
+                return PendingLoad(job, None, started, load)
+            self.counters.disk_read_fallbacks += 1  # a file gone, or the channel down
+        assert self.client is not None
+        return PendingLoad(job, self.client.stage(job.lease_of(self._rank)), started)
 
     def _load_layered(self, jobs: list[LoadJob]) -> None:
         """Issue the step's sync loads layer by layer; the forward waits per layer (or, where the
@@ -250,7 +253,7 @@ class WorkerSide:
             planned = [(job, list(range(len(job.chunks)))) for job, _ in planned]
             chunks = []
         waited = set() if chunks else set(self._all_layers)
-        self._step_loads = _StepLoads(loads, planned, started, waited)
+        self._step_loads = StepLoads(loads, planned, started, waited)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once this step's loads of the layer are in place (CUDA: ordered on the stream)."""
@@ -358,7 +361,12 @@ class WorkerSide:
         self.counters.failed_load_chunks += len(list(failed))
         self.counters.failed_load_blocks += len(blocks)
 
-    def _finish_async(self, pending: _PendingLoad) -> None:
+    def _finish_async(self, pending: PendingLoad) -> None:
+        """Copy a finished stage's slots into the blocks, or finish a load read from disk files."""
+        if pending.disk is not None:
+            self._finish_direct(pending, pending.disk.result)
+            return
+        assert pending.future is not None
         job = pending.job
         try:
             reply = pending.future.result(timeout=0)
@@ -383,6 +391,24 @@ class WorkerSide:
         self._account_load(job, failed, pending.started)
         self._release(job.lease_of(self._rank))
 
+    def _finish_direct(self, pending: PendingLoad, result: DiskReadResult) -> None:
+        """After a load's file reads: copy its CPU-tier chunks from their slots, tell the service
+        what was read, account and release."""
+        job = pending.job
+        failed = list(result.failed)
+        for i, chunk in enumerate(job.chunks):
+            if chunk.slot_of(self._rank) is not None:
+                buf = self._hit_buf(job, chunk)
+                if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
+                    failed.append(i)
+        if not self._fence():
+            failed = list(range(len(job.chunks)))
+        self.counters.disk_read_chunks += len(result.read)
+        if (result.read or result.corrupt) and self.client is not None:
+            self.client.disk_reads(self.cfg.namespace, result.read, result.nbytes, result.corrupt)
+        self._account_load(job, sorted(set(failed)), pending.started)
+        self._release(job.lease_of(self._rank))
+
     def wait_for_save(self) -> None:
         """Hand this step's finished chunks to the copier, to be copied into their reserved slots and
         committed (after this returns when the copier defers saves)."""
@@ -390,7 +416,7 @@ class WorkerSide:
         self._finish_loads()  # before planning: nothing computed on a failed load is saved
         reserves, self._reserves = self._reserves, []
         deadline = time.monotonic() + self._save_wait
-        batch: list[_SavedJob] = []
+        batch: list[SavedJob] = []
         chunks: list[tuple[Any, list[int]]] = []
         for job, future in reserves:
             try:
@@ -423,13 +449,13 @@ class WorkerSide:
             self._held[req_id] = self._saves_issued
         self._held_now = set()
 
-    def _plan_save(self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]) -> _SavedJob:
+    def _plan_save(self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]) -> SavedJob:
         """Add job's chunk copies to chunks; the chunks to commit once they are done."""
         assert self.client is not None and self.copier is not None
         # Nothing computed on a failed load is stored, by any request: vLLM shares a sync load's
         # blocks with requests admitted in the same step before the load has landed.
         skip = bool(self._failed_this_step)
-        saved = _SavedJob([], [], reply.instance_id)
+        saved = SavedJob([], [], reply.instance_id)
         unused = []
         for i, (h, ids, slot) in enumerate(zip(job.hashes, job.block_ids, reply.slots, strict=True)):
             if slot is None:
@@ -455,7 +481,7 @@ class WorkerSide:
             self.client.abort(unused, reply.instance_id)
         return saved
 
-    def _saved(self, batch: list[_SavedJob], started: float, error: BaseException | None) -> None:
+    def _saved(self, batch: list[SavedJob], started: float, error: BaseException | None) -> None:
         """A save batch's copies ended (copy thread, or the worker thread): commit or give back."""
         assert self.client is not None
         try:
@@ -505,7 +531,7 @@ class WorkerSide:
         self._end_forward()
         self._finish_loads()
         for req_id, pending in list(self._async.items()):
-            if pending.future.done():
+            if pending.ready():
                 del self._async[req_id]
                 self._finish_async(pending)
                 self._finished_recving.add(req_id)
@@ -539,8 +565,13 @@ class WorkerSide:
         return data
 
     def shutdown(self) -> None:
-        """Finish copies and unmap the arena."""
+        """Finish copies and reads, and unmap the arena."""
         self._finish_loads()
+        for pending in self._async.values():
+            if pending.disk is not None:
+                pending.disk.close()
+        if self._disk is not None:
+            self._disk.close()
         if self.copier is not None:
             self._fence()
             self.copier.close()

@@ -54,6 +54,8 @@ class FakeClient:
     lookups: list[str] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)  # of each lookup
     pending: list[tuple[concurrent.futures.Future, LookupReply]] = field(default_factory=list)
+    url: str = "unix:///run/kvtier.sock"
+    direct_disk: list[bool] = field(default_factory=list)  # of each lookup
 
     def lookup(
         self,
@@ -65,8 +67,10 @@ class FakeClient:
         replaces: str = "",
         hold: bool = False,
         stage: bool = False,
+        direct_disk: bool = False,
     ):
         self.lookups.append(lease_id)
+        self.direct_disk.append(direct_disk)
         self.namespaces.append(namespace)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.down or namespace in self.down_namespaces:
@@ -173,7 +177,12 @@ def test_lower_tier_hit_loads_async_even_when_not_scheduled() -> None:
     side.update_state_after_alloc(req, _blocks(list(range(10))), ext)
     meta = side.build_connector_meta(_output())  # the request waits for its KV: not scheduled
     (load,) = meta.loads
-    assert load.is_async and all(c.slot is None for c in load.chunks)
+    assert load.is_async
+    # The CPU chunk keeps its leased slot (a worker reading the disk chunk from its file copies it
+    # from there); the disk chunk carries its key and tier for that read.
+    cpu, disk = load.chunks
+    assert cpu.slot is not None and cpu.tier == Tier.CPU
+    assert disk.slot is None and (disk.key, disk.tier) == (_chunk_hash(req, 1), Tier.DISK)
     assert load.block_ids == [0, 1, 2, 3]
     # While the load is in flight the request's blocks are held if it is aborted.
     assert side.request_finished(req, list(range(10))) == (True, None)
@@ -456,7 +465,12 @@ def test_a_chunk_one_rank_holds_in_a_lower_tier_makes_the_load_async_on_every_ra
     side.update_state_after_alloc(req, _blocks(list(range(10))), 128)
     assert side.counters.hit_tokens_disk == 64 and side.counters.hit_tokens_cpu == 64
     (load,) = side.build_connector_meta(_output()).loads
-    assert load.is_async and all(c.slot_of(r) is None for c in load.chunks for r in (0, 1))
+    assert load.is_async
+    # Each rank's own copy: rank 1 reads chunk 1 from disk; rank 0 copies it from its CPU slot.
+    assert [(c.slot_of(0), c.slot_of(1), Tier(c.tier)) for c in load.chunks] == [
+        ((0, 4096), (0, 4096), Tier.CPU),
+        ((4096, 4096), None, Tier.DISK),
+    ]
 
 
 def test_a_rank_that_holds_nothing_ends_the_lease_of_the_rank_that_holds_some() -> None:

@@ -210,7 +210,7 @@ def test_loads_before_a_full_graph_replay_are_in_place_before_it_runs(
 
 
 def test_which_forwards_wait_for_each_layer() -> None:
-    from kvtier.connector.worker import layers_wait_in_forward
+    from kvtier.connector.worker_jobs import layers_wait_in_forward
 
     assert layers_wait_in_forward(None)  # outside vLLM's model runner
     assert layers_wait_in_forward(_context("NONE"))

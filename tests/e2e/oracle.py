@@ -10,7 +10,7 @@ reported failed; and the waits a test needs (vLLM's own cache emptied, a tier's 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,18 +150,24 @@ def delete_after_lookup(
     the service's back, as its lookup goes out: the service's index still lists them, so the lookup
     finds them and the read that follows (ahead at arrival, or at load) fails; returns (and fills in)
     that request's id."""
+    return damage_after_lookup(sched_connector, disk, num_chunks, dict.fromkeys(doomed, Path.unlink))
+
+
+def damage_after_lookup(
+    sched_connector: Any, disk: Path, num_chunks: int, damage: dict[int, Callable[[Path], object]]
+) -> list[str]:
+    """delete_after_lookup with any damage: damage[i](path) is done to chunk i's disk file."""
     sched = sched_connector._sched
     original = sched._start_lookup
-    doomed = list(doomed)
     hit: list[str] = []
 
-    def lookup_then_delete(st: Any, hashes: list[bytes], **kwargs: Any) -> Any:
+    def lookup_then_damage(st: Any, hashes: list[bytes], **kwargs: Any) -> Any:
         if not hit and len(hashes) == num_chunks:
             hit.append(st.request.request_id)
-            for i in doomed:
+            for i, harm in damage.items():
                 (path,) = disk.rglob(f"{hashes[i].hex()}.kvt")
-                path.unlink()
+                harm(path)
         return original(st, hashes, **kwargs)
 
-    sched._start_lookup = lookup_then_delete
+    sched._start_lookup = lookup_then_damage
     return hit

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.harness import Outputs, generate_each, kv_transfer_config, make_prompt, running_engine
+from kvtier.bench.introspect import worker_totals
 from kvtier.storage.base import Tier
+from tests.app import wait_until
 from tests.e2e.engine_script import run_engine_process
 from tests.e2e.oracle import assert_same_outputs, expected_external, forget_local_cache, wait_written
 from tests.e2e.service import running_service
@@ -42,8 +44,13 @@ def test_hits_from_cpu_then_disk_then_redis(
             cpu_hits = svc.hit_tokens()
             assert svc.clear(Tier.CPU) == STORED
             forget_local_cache(llm)
+            read_before = worker_totals().get("disk_read_chunks", 0)
             assert_same_outputs(expected, generate_each(llm, PROMPTS, 10))  # disk hits
             disk_hits = svc.hit_tokens()
+            # The worker read them from their files itself (the service's file channel), and told
+            # the service, which counts them as its disk tier's hits.
+            assert worker_totals()["disk_read_chunks"] - read_before == STORED
+            assert wait_until(lambda: svc.stats()["tiers"]["disk"]["hits"] == STORED, 10)
     assert HIT == STORED * CHUNK
     assert cpu_hits == {"cpu": HIT, "disk": 0, "redis": 0}
     assert disk_hits == {"cpu": HIT, "disk": HIT, "redis": 0}
