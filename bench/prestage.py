@@ -1,12 +1,14 @@
-"""Reads ahead of disk hits: 4 requests whose prompts are all on the disk tier, submitted at once.
+"""Disk hits of 4 requests whose prompts are all on the disk tier, submitted at once.
 
 One engine with kvtier (and vLLM's prefix cache, reset before every sample) and one service with a
 disk tier. Each sample clears the CPU tier, so every chunk of the 4 prompts is a disk hit, then
 submits the 4 prompts together and takes each one's TTFT (vLLM's first-token latency from
-arrival) and the time until all 4 have their first token. In turns, every round: reads ahead on
-(the scheduler's lookups ask the service to stage their hits as they arrive), then off (lookups
-without the flag, as with ``prestage_bytes`` 0: the reads start when vLLM schedules the requests),
-each with the page cache warm and cold (``posix_fadvise(DONTNEED)`` on the prompts' chunk files).
+arrival) and the time until all 4 have their first token. In turns, every round, three ways of
+reading: ``direct`` (the default: the worker reads the chunk files itself, over the service's file
+channel, when vLLM schedules the requests), ``ahead`` (the service reads them into its CPU tier as
+the lookups arrive, and the worker copies them from there) and ``off`` (the service reads them when
+vLLM schedules the requests), each with the page cache warm and cold (``posix_fadvise(DONTNEED)``
+on the prompts' chunk files).
 
     python -m kvtier.bench.prestage --json
 """
@@ -29,7 +31,7 @@ from kvtier.bench import hit_floors
 from kvtier.bench.engine_proc import kvtier_bypassed
 from kvtier.bench.floors import drop_cached, resident_bytes
 from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
-from kvtier.bench.introspect import scheduler_connector
+from kvtier.bench.introspect import scheduler_connector, worker_connector
 from kvtier.bench.models import BENCH, build_model
 from kvtier.bench.services import kvtier_service, wait_drained, wait_released
 from kvtier.bench.ttft import TTFT_CHUNK, warm_up_prompts
@@ -38,23 +40,30 @@ from kvtier.storage.base import Tier
 
 REQUESTS = 4  # submitted at once
 PROMPT_CHUNKS = 6  # whole chunks per prompt, plus one token: a full hit leaves one token to compute
-MODES = ("on", "off")
+MODES = ("direct", "ahead", "off")
 
 
 @contextlib.contextmanager
-def lookups_staging(llm: Any, stage: bool) -> Iterator[None]:
-    """The engine's scheduler side asks the service to stage lower-tier hits ahead (stage) or not."""
+def reading(llm: Any, mode: str) -> Iterator[None]:
+    """The engine reads disk hits one way: its worker reads the files (direct), or the service does,
+    ahead as the lookups arrive (ahead) or when the worker stages the lease (off)."""
     client = scheduler_connector(llm)._sched.client
-    original = client.lookup
+    worker = worker_connector()._worker
+    original, reader = client.lookup, worker._disk
+    if reader is None:
+        raise RuntimeError("the worker reads no disk files itself: is the service's file channel off?")
+    flags = {"stage": mode != "off", "direct_disk": mode == "direct"}
 
     def lookup(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **{**kwargs, "stage": stage})
+        return original(*args, **{**kwargs, **flags})
 
     client.lookup = lookup  # an instance attribute shadows the method
+    worker._disk = reader if mode == "direct" else None
     try:
         yield
     finally:
         del client.lookup
+        worker._disk = reader
 
 
 class Batches:
@@ -66,8 +75,8 @@ class Batches:
         self.resident: list[int] = []
 
     def sampler(self, mode: str, cold: bool) -> Callable[[int], float]:
-        """One sample of mode (reads ahead 'on' or 'off'), page cache warm or cold: the seconds until
-        every request has its first token."""
+        """One sample of mode (see MODES), page cache warm or cold: the seconds until every request
+        has its first token."""
         name = f"{mode}_{'cold' if cold else 'warm'}"
         self.per_request[name] = []
 
@@ -79,23 +88,23 @@ class Batches:
             if cold:
                 drop_cached(self.files)
                 self.resident.append(resident_bytes(self.files))
-            ttfts, total = self._submit(mode == "on")
+            ttfts, total = self._submit(mode)
             self.per_request[name].append(ttfts)
             return total
 
         return sample
 
-    def _submit(self, stage: bool) -> tuple[list[float], float]:
+    def _submit(self, mode: str) -> tuple[list[float], float]:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         inputs = [{"prompt_token_ids": list(p)} for p in self.prompts]
         before = self.client.stats().result(10)
-        with lookups_staging(self.llm, stage):
+        with reading(self.llm, mode):
             start = time.perf_counter()
             results = self.llm.generate(inputs, params, use_tqdm=False)
             total = time.perf_counter() - start
-        _check(before, self.client.stats().result(10), stage, len(self.prompts))
+        _check(before, self.client.stats().result(10), mode == "ahead", len(self.prompts))
         return [r.metrics.first_token_latency for r in results], total
 
 
@@ -128,7 +137,7 @@ def _figures(samples: list[float], per_request: list[list[float]]) -> dict[str, 
 
 
 def bench_prestage(model: str, tmp: Path, rounds: int = 3) -> dict[str, Any]:
-    """TTFT of 4 disk hits submitted at once, reads ahead on against off, page cache warm and cold."""
+    """TTFT of 4 disk hits submitted at once, read each of the three ways, page cache warm and cold."""
     from kvtier.app.client import ServiceClient
 
     prompt_tokens = PROMPT_CHUNKS * TTFT_CHUNK + 1
@@ -163,9 +172,10 @@ def bench_prestage(model: str, tmp: Path, rounds: int = 3) -> dict[str, Any]:
     for name, samples in zip(names, taken, strict=True):
         out[name] = _figures(samples, batches.per_request[name])
     for temp in ("warm", "cold"):
-        out[f"total_on_over_off_{temp}"] = round(
-            out[f"on_{temp}"]["total_ms"] / out[f"off_{temp}"]["total_ms"], 3
-        )
+        for mode in ("direct", "ahead"):
+            out[f"total_{mode}_over_off_{temp}"] = round(
+                out[f"{mode}_{temp}"]["total_ms"] / out[f"off_{temp}"]["total_ms"], 3
+            )
     return out
 
 
