@@ -28,14 +28,18 @@ class ArenaClient:
         self.commits: list[tuple[list[bytes], list[SlotRef]]] = []
         self.aborted: list[SlotRef] = []
         self.released: list[str] = []
+        self.specs: list[NamespaceSpec | None] = []  # of each hello
+        self.namespaces: list[tuple[str, str]] = []  # ("reserve" or "commit", namespace) of each call
         self._next = 0
 
     def hello(self, spec: NamespaceSpec | None = None, timeout: float | None = None) -> Future[HelloReply]:
         """The arena of this stand-in instance."""
+        self.specs.append(spec)
         return done(HelloReply(self.instance_id, self.arena.info(), "ns", self.chunk_bytes))
 
     def reserve(self, namespace: str, hashes: list[bytes]) -> Future[ReserveReply]:
         """The next free slots, one per hash."""
+        self.namespaces.append(("reserve", namespace))
         slots = []
         for _ in hashes:
             slots.append(SlotRef(self._next, self.chunk_bytes))
@@ -46,6 +50,7 @@ class ArenaClient:
         self, namespace: str, hashes: list[bytes], slots: list[SlotRef], instance: str
     ) -> Future[None]:
         """Record the commit."""
+        self.namespaces.append(("commit", namespace))
         self.commits.append((list(hashes), list(slots)))
         return done(None)
 

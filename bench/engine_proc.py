@@ -103,7 +103,10 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
         "on_new_request": lambda request: None,
         "get_num_new_matched_tokens": lambda request, num_computed_tokens: (0, False),
         "update_state_after_alloc": lambda request, blocks, num_external_tokens: None,
-        "build_connector_meta": lambda scheduler_output: KVTierMetadata(),
+        # The generation goes on (see reset_cache), so the workers keep their namespaces.
+        "build_connector_meta": lambda scheduler_output: KVTierMetadata(
+            generation=conn._sched.cfg.generation
+        ),
         "request_finished": lambda request, block_ids: (False, None),
     }
     # What an instance attribute held before (a timer of bench/phases.py) comes back afterwards.

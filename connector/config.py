@@ -45,6 +45,10 @@ class ConnectorConfig:
     # What kv_role lets this side do; saves is also False on a rank whose KV another rank stores.
     loads: bool = True
     saves: bool = True
+    replicated: bool = False  # every tensor-parallel rank holds the same KV (MLA): stored once
+    # Set by reset_cache (vLLM reset its caches, e.g. after new weights): the model identity in
+    # every namespace carries it, so nothing stored before is found or saved into again.
+    generation: str = ""
 
     @property
     def lookup_namespaces(self) -> tuple[str, ...]:
@@ -297,6 +301,24 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         rank_namespaces=tuple(namespace_id(s) for s in rank_specs(spec, replicated)),
         loads=loads,
         saves=saves and saves_on_rank(tp_rank, replicated),
+        replicated=replicated,
+    )
+
+
+GENERATION_MARK = "~gen:"
+
+
+def with_generation(cfg: ConnectorConfig, generation: str) -> ConnectorConfig:
+    """cfg moved to a new generation of the model's KV: the model identity of its spec (and every
+    rank's) ends in the generation, so its namespaces are new ones."""
+    base = cfg.spec.model.split(GENERATION_MARK, 1)[0]
+    spec = replace(cfg.spec, model=f"{base}{GENERATION_MARK}{generation}")
+    return replace(
+        cfg,
+        spec=spec,
+        namespace=namespace_id(spec),
+        rank_namespaces=tuple(namespace_id(s) for s in rank_specs(spec, cfg.replicated)),
+        generation=generation,
     )
 
 

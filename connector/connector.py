@@ -267,6 +267,13 @@ class KVTierConnector(KVConnectorBase_V1):
             return False, None
         return self._sched.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its caches (``reset_prefix_cache(reset_connector=True)``, e.g. after a weight
+        update): this engine moves to new namespaces, so no chunk stored before is used again."""
+        if self._sched is None:
+            return None
+        return self._sched.reset_cache()
+
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         """Split the external tokens of the last admission by tier."""
         if self._sched is None or num_external_tokens == 0:

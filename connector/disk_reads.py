@@ -205,7 +205,7 @@ class DiskReader:
         run_all: Callable[[Sequence[Callable[[], None]]], None] = _run_here,
     ) -> None:
         self._files = files
-        self._namespace = namespace
+        self.namespace = namespace
         self._planes = [[_Rows(p) for p in layer] for layer in planes]
         self._bpc = blocks_per_chunk
         self._row_bytes = [int(p.shape[1]) for p in planes[0]]
@@ -221,7 +221,7 @@ class DiskReader:
         if now < self._retry_at:
             raise FileChannelError(f"file channel {self._files.path} failed recently; retried later")
         try:
-            fds = self._files.open(self._namespace, [r.key for r in reads])
+            fds = self._files.open(self.namespace, [r.key for r in reads])
         except FileChannelError:
             self._retry_at = now + CHANNEL_RETRY_S
             raise
@@ -233,7 +233,7 @@ class DiskReader:
             assert fd is not None
             with contextlib.suppress(OSError):  # only a hint: the reads work without it
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            head = memoryview(bytearray(codec.header_size(ChunkKey(self._namespace, read.key))))
+            head = memoryview(bytearray(codec.header_size(ChunkKey(self.namespace, read.key))))
             parts = self._parts(read)
             files.append(_ChunkFile(read, fd, head, parts, [head, *parts]))
         return DiskLoad(self, files)
@@ -285,7 +285,7 @@ class DiskReader:
     def verify(self, chunk: _ChunkFile) -> None:
         """BlobError unless the chunk's header is its key's and its payload rows match the checksum."""
         header = codec.parse_header(
-            chunk.head[: min(chunk.offset, chunk.head.nbytes)], ChunkKey(self._namespace, chunk.read.key)
+            chunk.head[: min(chunk.offset, chunk.head.nbytes)], ChunkKey(self.namespace, chunk.read.key)
         )
         if header.payload_len != self.chunk_bytes:
             raise BlobError(f"stored payload is {header.payload_len} bytes, a chunk is {self.chunk_bytes}")

@@ -84,6 +84,7 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+    generation: str = ""  # the scheduler side's generation of the namespaces (see reset_cache)
 
     def is_empty(self) -> bool:
         """True when the worker has nothing to do this step."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 from kvtier.app.client import Call, LookupReply, ServiceClient
 from kvtier.connector import faults
-from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.config import ConnectorConfig, rank_specs, with_generation
 from kvtier.connector.disk_reads import file_channel_of
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.planning import (
@@ -215,6 +216,21 @@ class SchedulerSide:
         spans = load_spans(local, ext, self.geo)
         return any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
 
+    def reset_cache(self) -> bool:
+        """Move this engine to a new generation of namespaces (vLLM reset its caches, e.g. after new
+        weights): no chunk stored before is looked up, loaded or saved into again. Answers not
+        used yet are dropped (their requests look up again); the workers follow at their next step."""
+        self.cfg = with_generation(self.cfg, secrets.token_hex(8))
+        self._namespaces = self.cfg.lookup_namespaces
+        if self.client is not None:  # register the new namespaces before the first lookup in them
+            for spec in rank_specs(self.cfg.spec, self.cfg.replicated):
+                self.client.hello(spec)
+        for st in self._reqs.values():
+            if not st.async_load_pending:
+                self._release(st)
+                st.lookup = st.answer = None
+        return True
+
     def _release(self, st: _Request) -> None:
         self._end_lease(st.lease_id)
         st.lease_id = ""
@@ -275,7 +291,7 @@ class SchedulerSide:
         """This step's loads, saves, preemptions and held finished requests."""
         self._budget_left = self._budget_s
         self._step = step = self._step + 1
-        meta = KVTierMetadata()
+        meta = KVTierMetadata(generation=self.cfg.generation)
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
         scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens

@@ -33,7 +33,7 @@ from typing import Any
 from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError
 from kvtier.app.file_channel import FileChannelError, FileClient
 from kvtier.connector import faults
-from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.config import ConnectorConfig, with_generation
 from kvtier.connector.copy import BlockCopier, LayerLoads
 from kvtier.connector.copy_thread import CopyError
 from kvtier.connector.disk_reads import (
@@ -173,11 +173,23 @@ class WorkerSide:
         self._in_forward, self._waits_now = True, set()
         self._failed_this_step = set()
         self._held_now.update(meta.held)  # reported in get_finished whatever else happens
+        if meta.generation != self.cfg.generation:
+            self._regenerate(meta.generation)
         self._refresh_arena()
         if self.client is None or not self.ready or not self.cfg.saves:
             return  # a consumer stores nothing; nor does a rank whose KV another rank stores
         for job in meta.saves:
             self._reserves.append((job, self.client.reserve(self.cfg.namespace, job.hashes)))
+
+    def _regenerate(self, generation: str) -> None:
+        """Follow the scheduler side to a new generation of namespaces (reset_cache): saves issued
+        before commit into the old namespace first, then the new spec is registered."""
+        self._fence()
+        self.cfg = with_generation(self.cfg, generation)
+        if self._disk is not None:
+            self._disk.namespace = self.cfg.namespace
+        if self.client is not None:
+            self._hello = self.client.hello(self.cfg.spec)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """Fence: copies reading blocks of requests preempted now must end before blocks are reused."""

@@ -56,6 +56,7 @@ class FakeClient:
     pending: list[tuple[concurrent.futures.Future, LookupReply]] = field(default_factory=list)
     url: str = "unix:///run/kvtier.sock"
     direct_disk: list[bool] = field(default_factory=list)  # of each lookup
+    registered: list[NamespaceSpec | None] = field(default_factory=list)  # specs of hello calls
 
     def lookup(
         self,
@@ -93,6 +94,9 @@ class FakeClient:
 
     def release(self, lease_id: str) -> None:
         self.released.append(lease_id)
+
+    def hello(self, spec: NamespaceSpec | None = None) -> None:
+        self.registered.append(spec)
 
 
 class FakeRequest:
@@ -537,3 +541,23 @@ def test_a_consumer_loads_and_never_saves_nor_holds_blocks() -> None:
     assert len(meta.loads) == 1 and meta.saves == []
     assert side.request_finished(req, list(range(10))) == (False, None)
     assert side.build_connector_meta(_output()).saves == []
+
+
+def test_a_cache_reset_moves_lookups_and_saves_to_a_new_generation() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_cfg(), client)
+    req = FakeRequest("a", 300, 9)
+    client.by_namespace = {"ns": {_chunk_hash(req, 0): Tier.CPU}}  # nothing in any other namespace
+    side.on_new_request(req)
+    assert client.namespaces == ["ns"]
+    assert side.build_connector_meta(_output()).generation == ""
+    assert side.reset_cache() is True
+    gen = side.cfg.generation
+    assert gen and side.cfg.spec.model == f"m~gen:{gen}" and side.cfg.namespace != "ns"
+    assert client.registered == [side.cfg.spec]  # registered before the first lookup in it
+    assert client.released == ["eng:a:1"]  # the answer from the old generation is dropped
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # looked up again, in the new one
+    assert client.namespaces == ["ns", side.cfg.namespace]
+    assert side.build_connector_meta(_output()).generation == gen
+    side.reset_cache()
+    assert side.cfg.generation != gen and side.cfg.spec.model == f"m~gen:{side.cfg.generation}"

@@ -141,3 +141,19 @@ def test_a_save_the_save_thread_refuses_gives_its_slots_back_without_raising(are
     assert client.commits == [] and len(client.aborted) == 1
     assert worker.stats()["save_errors"] == 1
     assert worker.get_finished(set()) == ({"r1"}, set())  # nothing reads its blocks
+
+
+def test_a_new_generation_commits_earlier_saves_in_the_old_namespace_and_registers_the_new(
+    arena_worker,
+) -> None:
+    worker, client, _, _ = arena_worker
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])]))
+    worker.wait_for_save()  # its copy may still run: the generation change fences it first
+    worker.bind(KVTierMetadata(saves=[SaveJob("r2", [b"b"], [[2, 3]])], generation="g1"))
+    worker.wait_for_save()
+    assert worker.copier is not None
+    worker.copier.wait()
+    new = worker.cfg.namespace
+    assert worker.cfg.spec.model == "m~gen:g1" and new != "ns"
+    assert client.specs[-1] == worker.cfg.spec
+    assert client.namespaces == [("reserve", "ns"), ("commit", "ns"), ("reserve", new), ("commit", new)]
