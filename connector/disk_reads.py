@@ -261,14 +261,15 @@ class DiskReader:
         nothing is left to read (every buffer filled, or the file ended early)."""
         while chunk.pending:
             batch = chunk.pending[:IOV_MAX]
+            flags = self._flags  # once: the other thread of a load may clear it meanwhile
             try:
-                n = os.preadv(chunk.fd, batch, chunk.offset, self._flags)
+                n = os.preadv(chunk.fd, batch, chunk.offset, flags)
             except BlockingIOError:
                 return False  # the rest is not in the page cache yet
             except OSError as exc:
-                if exc.errno != errno.EOPNOTSUPP or not self._flags:
+                if exc.errno != errno.EOPNOTSUPP or not flags:
                     raise
-                self._flags = 0  # this filesystem cannot say "not cached": read and wait
+                self._flags = 0  # this filesystem (e.g. tmpfs) cannot say "not cached": read and wait
                 continue
             if n <= 0:
                 return True  # end of file: verify() finds it short

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,28 @@ def _read(disk: Disk, reads: list[DiskRead]) -> DiskReadResult:
     assert load is not None
     assert wait_until(load.advance, 10)
     return load.result
+
+
+def _read_on_two_threads(disk: Disk, reads: list[DiskRead]) -> DiskReadResult:
+    """_read with the load's chunks split between this thread and another, both started together."""
+    barrier = threading.Barrier(2)
+
+    def run_all(tasks: Sequence[Callable[[], None]]) -> None:
+        def gated(task: Callable[[], None]) -> None:
+            barrier.wait(10)
+            task()
+
+        other = threading.Thread(target=lambda: [gated(t) for t in tasks[1::2]])
+        other.start()
+        for task in tasks[::2]:
+            gated(task)
+        other.join(10)
+
+    plain, disk.reader.run_all = disk.reader.run_all, run_all
+    try:
+        return _read(disk, reads)
+    finally:
+        disk.reader.run_all = plain
 
 
 @pytest.fixture
@@ -190,22 +213,36 @@ def test_files_not_in_the_page_cache_are_read_as_they_arrive(disk: Disk) -> None
 def test_a_filesystem_without_nowait_reads_are_read_and_waited_for(
     disk: Disk, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = _payload(8)
-    disk.store(b"\xaa", a)
+    disk.store(b"\xaa", _payload(8))
+    disk.store(b"\xbb", _payload(13))
     plain = os.preadv
     flags_seen: list[int] = []
+    refused: list[int] = []
+    lock = threading.Lock()
+    first_read_again = threading.Event()
+    both_asked = threading.Barrier(2)
 
     def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
         flags_seen.append(flags)
         if flags:
+            both_asked.wait(10)  # each thread asks with the flag before either learns it fails
+            with lock:
+                refused.append(threading.get_ident())
+                second = len(refused) == 2
+            if second:  # refused only after the first thread has learnt it and read again
+                assert first_read_again.wait(10)
             raise OSError(errno.EOPNOTSUPP, "not supported")
+        first_read_again.set()
         return plain(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
+    two = [DiskRead(0, b"\xaa", 0, [0, 1]), DiskRead(1, b"\xbb", 0, [2, 3])]
+    # Both chunks are read at once, on two threads as in vLLM: both meet the refusal.
+    result = _read_on_two_threads(disk, two)
+    assert (result.read, result.failed, len(refused)) == ([b"\xaa", b"\xbb"], [], 2)
+    flags_seen.clear()
     assert _read(disk, [DiskRead(0, b"\xaa", 0, [0, 1])]).read == [b"\xaa"]
-    assert flags_seen == [os.RWF_NOWAIT, 0]
-    assert _read(disk, [DiskRead(0, b"\xaa", 0, [0, 1])]).read == [b"\xaa"]
-    assert flags_seen == [os.RWF_NOWAIT, 0, 0]  # asked once
+    assert flags_seen == [0]  # asked once
 
 
 def test_a_load_the_disk_never_serves_fails_at_its_deadline(

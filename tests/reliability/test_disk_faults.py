@@ -134,11 +134,16 @@ def test_full_disk_is_counted_and_what_fit_is_served(
     # A file is named by its chunk's hash: each prompt loads the chunks of its prefix on disk, up to
     # the first one that did not fit; vLLM's own cache serves nothing.
     on_disk = {p.stem for p in files}
-    assert len(looked_up) == len(groups), looked_up
-    served = sum(_leading(hashes, on_disk) for hashes in looked_up) * CHUNK
+    # A prompt vLLM could not admit at once (the blocks of the one before still held by its saves)
+    # is looked up again when vLLM asks again: the service counts the hits of every lookup, vLLM
+    # admits each prompt once.
+    prompts = {hashes[0]: hashes for hashes in looked_up}
+    assert len(prompts) == len(groups), looked_up
+    served = sum(_leading(hashes, on_disk) for hashes in prompts.values()) * CHUNK
+    answered = sum(_leading(hashes, on_disk) for hashes in looked_up) * CHUNK
     assert served >= CHUNK, f"none of the chunks that fit is the first of its prefix: {on_disk}"
     assert local == 0
-    assert hits == {"cpu": 0, "disk": served, "redis": 0}, hits
+    assert hits == {"cpu": 0, "disk": answered, "redis": 0}, hits
     assert lookups["external_tokens"] == served, lookups
     assert loads["loaded_tokens"] == served and loads["failed_load_chunks"] == 0, loads
 
