@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -97,3 +98,13 @@ def default_url() -> str:
 def resolve_url(configured: str, override: str | None = None) -> str:
     """--url, else the configured service_url, else the default socket."""
     return override or configured or default_url()
+
+
+def bind_private(sock: socket.socket, path: str) -> None:
+    """Bind a unix socket at path with mode 0600: the umask decides the file's mode at bind (callers
+    bind before their process starts threads that create files)."""
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from kvtier.app.address import bind_private
 from kvtier.storage.base import ChunkKey
 from kvtier.storage.keys import NAMESPACE_HEX_CHARS, chunk_keys
 
@@ -191,11 +192,7 @@ def _listen(path: str) -> socket.socket:
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
+        bind_private(sock, path)
         sock.listen(64)
     except BaseException:
         sock.close()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from kvtier.app.address import Address, parse_url, resolve_url
+from kvtier.app.address import Address, bind_private, parse_url, resolve_url
 from kvtier.app.connection import Connection
 from kvtier.app.daemon import PARENT_SIGNAL, ParentWatch, detach, report_ready
 from kvtier.app.file_channel import FileServer, channel_path
@@ -137,12 +137,7 @@ def _unix_socket(path: str) -> socket.socket:
     existing.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        # The umask decides the socket file's mode at bind(); no other thread runs yet.
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
+        bind_private(sock, path)  # no other thread runs yet
         os.chmod(path, 0o600)
         sock.listen(512)
         sock.setblocking(False)
