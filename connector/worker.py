@@ -232,6 +232,9 @@ class WorkerSide:
             except FileChannelError as exc:
                 log.debug("kvtier: file channel: %s; staging %s instead", exc, job.req_id)
                 load = None
+            except Exception as exc:  # a bug must cost the service's read, never vLLM's step
+                faults.caught(exc, "opening disk files")
+                load = None
             if load is not None:
                 return PendingLoad(job, None, started, load)
             self.counters.disk_read_fallbacks += 1  # a file gone, or the channel down

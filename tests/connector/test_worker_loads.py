@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.bench.arena_client import done
+from kvtier.connector import faults
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
-from kvtier.storage.base import SlotRef
+from kvtier.storage.base import SlotRef, Tier
 from tests.app import wait_until
 from tests.connector.conftest import LAYERS
 
@@ -276,3 +278,23 @@ def test_copier_layer_loads_land_like_whole_chunk_loads(arena_worker, helper: bo
         loads.wait_layer(layer)
         assert torch.equal(_layer_block(kv, layer, 9), stored[layer, 1])
     assert loads.finish() is None and loads.ended is not None
+
+
+def test_a_disk_read_that_cannot_open_stages_the_lease_instead(arena_worker, monkeypatch) -> None:
+    worker, client, _, _ = arena_worker
+
+    class Broken:
+        def open(self, reads: Any) -> Any:
+            raise RuntimeError("a bug in the reader")
+
+        def close(self) -> None:
+            pass
+
+    staged: list[str] = []
+    monkeypatch.setattr(worker, "_disk", Broken())
+    monkeypatch.setattr(client, "stage", lambda lease: staged.append(lease) or done(None), raising=False)
+    monkeypatch.setattr(faults, "caught", lambda exc, where: staged.append(where))
+    job = LoadJob("r", "lease-1", [ChunkLoad(0, 0, [0, 1], key=b"k", tier=Tier.DISK)], is_async=True)
+    worker.start_load(KVTierMetadata(loads=[job]))  # raises nothing into vLLM
+    assert staged == ["opening disk files", "lease-1"]
+    assert worker.counters.disk_read_fallbacks == 1
