@@ -320,13 +320,8 @@ class DiskTier:
         try:
             await self._run(self.files.read, key, dest)
         except Exception as exc:  # a bad or vanished file is a counted miss
-            kind = error_kind(exc)
-            self._stats.count_error(kind)
-            self._stats.misses += 1
-            if kind in ("corrupt", "missing"):
-                self._drop(key)
-                if kind == "corrupt":
-                    await self._remove([key])
+            if self._failed_read(key, error_kind(exc)):
+                await self._remove([key])
             return False
         self._touch(compact)
         self._stats.hits += 1
@@ -343,11 +338,18 @@ class DiskTier:
         self._stats.hits += len(good)
         self._stats.bytes_read += nbytes
         for key in corrupt:
-            self._stats.count_error("corrupt")
-            self._stats.misses += 1
-            self._drop(key)
+            self._failed_read(key, "corrupt")
         if corrupt:
             await self._remove(corrupt)
+
+    def _failed_read(self, key: ChunkKey, kind: str) -> bool:
+        """Count a read of key that failed with kind (a miss); a corrupt or vanished file leaves the
+        index. True when its file must go too (corrupt)."""
+        self._stats.count_error(kind)
+        self._stats.misses += 1
+        if kind in ("corrupt", "missing"):
+            self._drop(key)
+        return kind == "corrupt"
 
     async def delete(self, key: ChunkKey) -> None:
         """Remove key; a pinned key disappears from lookups now and from disk at its last unpin.
