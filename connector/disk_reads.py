@@ -11,7 +11,7 @@ one read and one transfer.
 
 The reads run on vLLM's worker thread, never on a thread of their own: a thread that drops the GIL
 for every read waits up to the interpreter's switch interval to get it back while vLLM's thread runs
-Python, which turned a 4 ms read into hundreds of milliseconds (docs/performance.md). They never
+Python (figures in docs/performance.md). They never
 wait for the disk either: opening a load asks the kernel to read the files ahead
 (``POSIX_FADV_WILLNEED``), and each poll (``advance``) reads with ``RWF_NOWAIT``, which takes only
 what the page cache holds; what is missing is taken at a later poll. Page cache warm, a load ends at
