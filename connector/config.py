@@ -46,9 +46,18 @@ class ConnectorConfig:
     loads: bool = True
     saves: bool = True
     replicated: bool = False  # every tensor-parallel rank holds the same KV (MLA): stored once
+    # KV cache groups (vLLM's hybrid memory allocator): layers of each, in the order of layer_names,
+    # and each one's sliding-window reach (None: full attention; see planning.window_first_block).
+    group_sizes: tuple[int, ...] = ()
+    group_reach: tuple[int | None, ...] = ()
     # Set by reset_cache (vLLM reset its caches, e.g. after new weights): the model identity in
     # every namespace carries it, so nothing stored before is found or saved into again.
     generation: str = ""
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the engine has several KV cache groups (every load is then asynchronous)."""
+        return len(self.group_sizes) > 1
 
     @property
     def lookup_namespaces(self) -> tuple[str, ...]:
@@ -217,21 +226,43 @@ def _step_tokens(vllm_config: Any) -> int:
     return 1 + max(0, int(drafts or 0))
 
 
-# KV cache specs whose blocks stay with a request until it finishes or is preempted. Others (sliding
-# windows, chunked local attention, R-SWA, state spaces) have vLLM free or overwrite blocks of running
-# requests, which a deferred save could read after reuse and store as a valid chunk.
-SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+# KV cache specs kvtier serves: full attention and MLA (blocks stay with a request until it finishes
+# or is preempted) and sliding windows (vLLM frees the blocks behind the window; a chunk holds those
+# inside it, see planning.stored_first_block). Others (chunked local attention, R-SWA, state spaces)
+# keep state a chunk of blocks cannot hold.
+SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 
 
 def check_kv_spec(kv_spec: Any) -> None:
     """Raise UnsupportedEngine unless the KV cache spec is one kvtier serves (SERVED_SPECS)."""
     name = type(kv_spec).__name__
     if name not in SERVED_SPECS:
-        window = getattr(kv_spec, "sliding_window", None)
-        detail = f" with a sliding window of {window} tokens" if window else ""
         raise UnsupportedEngine(
-            f"kvtier serves KV caches of full attention or MLA ({', '.join(SERVED_SPECS)}); this "
-            f"engine's is {name}{detail}, whose blocks vLLM frees or reuses while requests run"
+            f"kvtier serves KV caches of full attention, MLA and sliding-window attention "
+            f"({', '.join(SERVED_SPECS)}); this engine has a KV cache group of {name}"
+        )
+
+
+def window_reach(kv_spec: Any) -> int | None:
+    """A sliding-window spec's tokens behind the next one that vLLM keeps; None for full attention."""
+    if type(kv_spec).__name__ != "SlidingWindowSpec":
+        return None
+    return int(kv_spec.sliding_window) - 1 + int(getattr(kv_spec, "extra_retained_tokens", 0) or 0)
+
+
+def check_groups(groups: Any, block_size: int) -> None:
+    """Raise UnsupportedEngine unless every KV cache group is served and pages alike (one chunk holds
+    every group's blocks of the same tokens)."""
+    if not groups:
+        raise UnsupportedEngine("kvtier found no KV cache group in this engine")
+    for group in groups:
+        check_kv_spec(group.kv_cache_spec)
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    pages = {int(g.kv_cache_spec.page_size_bytes) for g in groups}
+    if sizes != {block_size} or len(pages) != 1:
+        raise UnsupportedEngine(
+            f"kvtier serves KV cache groups of one block size and page size; this engine's groups "
+            f"have block sizes {sorted(sizes)} (cache block size {block_size}) and pages {sorted(pages)}"
         )
 
 
@@ -262,6 +293,8 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
     settings = load_settings(extra=dict(kv_transfer.kv_connector_extra_config or {}))
     loads, saves = role_actions(getattr(kv_transfer, "kv_role", "kv_both"))
     block_size = int(vllm_config.cache_config.block_size)
+    groups = [] if kv_cache_config is None else list(kv_cache_config.kv_cache_groups)
+    check_groups(groups, block_size)  # before the chunk size: an engine not served is idle, not stopped
     try:
         geometry = Geometry(block_size, settings.chunk_size)
     except ValueError as exc:
@@ -270,21 +303,16 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
             f"kvtier setting chunk_size (KVTIER_CHUNK_SIZE): {exc}; for example "
             f"{block_size * max(1, 256 // block_size)}"
         ) from None
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-        groups = 0 if kv_cache_config is None else len(kv_cache_config.kv_cache_groups)
-        raise UnsupportedEngine(f"kvtier serves models with one KV cache group; this engine has {groups}")
     hash_block = getattr(kv_cache_config, "hash_block_size", None)
     if hash_block not in (None, block_size):
         raise UnsupportedEngine(
             f"kvtier needs block hashes per block; hash_block_size={hash_block} != {block_size}"
         )
-    group = kv_cache_config.kv_cache_groups[0]
-    kv_spec = group.kv_cache_spec
-    check_kv_spec(kv_spec)
-    check_prefix_reuse(vllm_config, kv_spec)
+    for group in groups:
+        check_prefix_reuse(vllm_config, group.kv_cache_spec)
     check_parallel(vllm_config.parallel_config)
     tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
-    replicated = tp_replicated(kv_spec)
+    replicated = all(tp_replicated(g.kv_cache_spec) for g in groups)
     spec = _namespace_spec(vllm_config, kv_cache_config, settings.chunk_size, tp_rank, pp_rank)
     return ConnectorConfig(
         settings=settings,
@@ -293,7 +321,7 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         namespace=namespace_id(spec),
         engine_id=str(kv_transfer.engine_id),
         num_blocks=int(kv_cache_config.num_blocks),
-        layer_names=tuple(group.layer_names),
+        layer_names=tuple(name for g in groups for name in g.layer_names),
         failure_policy=str(getattr(kv_transfer, "kv_load_failure_policy", "fail")),
         async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
         step_tokens=_step_tokens(vllm_config),
@@ -302,6 +330,8 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         loads=loads,
         saves=saves and saves_on_rank(tp_rank, replicated),
         replicated=replicated,
+        group_sizes=tuple(len(g.layer_names) for g in groups),
+        group_reach=tuple(window_reach(g.kv_cache_spec) for g in groups),
     )
 
 
@@ -326,20 +356,33 @@ def _namespace_spec(
     vllm_config: Any, kv_cache_config: Any, chunk_size: int, tp_rank: int, pp_rank: int
 ) -> NamespaceSpec:
     """This rank's namespace spec (KV every tensor-parallel rank holds alike names no tp rank)."""
-    group = kv_cache_config.kv_cache_groups[0]
-    kv_spec = group.kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    kv_spec = groups[0].kv_cache_spec
     parallel = vllm_config.parallel_config
     return NamespaceSpec(
         model=model_identity(vllm_config),
         kv_dtype=_kv_dtype(vllm_config.cache_config, kv_spec),
-        kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{type(kv_spec).__name__}",
+        kv_layout=f"{_kv_layout(vllm_config, kv_cache_config)}/{_platform()}/{_groups_name(groups)}",
         block_size=int(vllm_config.cache_config.block_size),
         chunk_size=chunk_size,
-        num_layers=len(group.layer_names),
+        num_layers=sum(len(g.layer_names) for g in groups),
         page_bytes=int(kv_spec.page_size_bytes),
-        tp_rank=EVERY_TP_RANK if tp_replicated(kv_spec) else tp_rank,
+        tp_rank=EVERY_TP_RANK if all(tp_replicated(g.kv_cache_spec) for g in groups) else tp_rank,
         tp_size=int(parallel.tensor_parallel_size),
         pp_rank=pp_rank,
         pp_size=int(parallel.pipeline_parallel_size),
         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
     )
+
+
+def _groups_name(groups: Any) -> str:
+    """The KV cache groups as a chunk lays them out: one spec's name for one group (as before hybrid
+    engines were served), else each group's spec, window and layer count in order."""
+    if len(groups) == 1:
+        return type(groups[0].kv_cache_spec).__name__
+    parts = []
+    for g in groups:
+        reach = window_reach(g.kv_cache_spec)
+        window = "" if reach is None else f"({reach})"
+        parts.append(f"{type(g.kv_cache_spec).__name__}{window}x{len(g.layer_names)}")
+    return "groups:" + ",".join(parts)

@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
@@ -118,8 +120,12 @@ def _idle_error(reason: str) -> KVTierIdle:
     )
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """kvtier's vLLM KV connector: CPU, disk and Redis tiers behind one lookup."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtier's vLLM KV connector: CPU, disk and Redis tiers behind one lookup.
+
+    It declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on: engines with several
+    KV cache groups (sliding-window hybrids) keep freeing the blocks behind each window.
+    """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -262,7 +268,13 @@ class KVTierConnector(KVConnectorBase_V1):
             self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Release the request's lease; hold its blocks while copies may still read them."""
+        """Release the request's lease; hold its blocks while copies may still read them (one group)."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Release the request's lease; hold its blocks of every group while copies may read them."""
         if self._sched is None:
             return False, None
         return self._sched.request_finished(request, block_ids)
@@ -338,6 +350,17 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """get_finished's requests, and the async loads that failed as a whole (hybrid engines: vLLM
+        maps failed blocks back to requests only where an engine has one KV cache group)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Exactly the blocks whose load failed."""

@@ -25,7 +25,8 @@ class ChunkLoad:
     of ranks 1 on (each rank's lookup leased its own copy); None where that rank's copy is in a lower
     tier (loaded asynchronously: staged, or read from its file). ``key`` is the chunk's hash and
     ``tier`` the slowest tier any rank holds it in (a Tier value), for a worker that reads disk hits
-    itself.
+    itself. ``first`` and ``block_ids`` are KV cache group 0's; ``groups`` holds (first, block_ids) of
+    groups 1 on, in hybrid engines (a sliding-window group loads only the blocks inside its window).
     """
 
     index: int
@@ -35,6 +36,15 @@ class ChunkLoad:
     rank_slots: list[tuple[int, int] | None] = field(default_factory=list)
     key: bytes = b""
     tier: int = 0
+    groups: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def group_loads(self) -> list[tuple[int, list[int]]]:
+        """(first, block_ids) of every KV cache group, in group order."""
+        return [(self.first, self.block_ids), *self.groups]
+
+    def all_block_ids(self) -> list[int]:
+        """The destination blocks of every group."""
+        return self.block_ids + [b for _, ids in self.groups for b in ids]
 
     def slot_of(self, rank: int) -> tuple[int, int] | None:
         """The arena slot rank ``rank`` loads from (None: none, or a lower-tier hit)."""
@@ -55,6 +65,7 @@ class LoadJob:
     chunks: list[ChunkLoad]
     is_async: bool
     instance_id: str = ""
+    failed: bool = False  # planned to fail at once (the plan found blocks it cannot fill)
 
     def lease_of(self, rank: int) -> str:
         """The lease rank ``rank`` stages and releases."""
@@ -62,18 +73,24 @@ class LoadJob:
 
     @property
     def block_ids(self) -> list[int]:
-        """Every destination block of this load."""
-        return [b for c in self.chunks for b in c.block_ids]
+        """Every destination block of this load, of every KV cache group."""
+        return [b for c in self.chunks for b in c.all_block_ids()]
 
 
 @dataclass(slots=True)
 class SaveJob:
-    """Chunks of one request to store: a hash and the chunk's whole block list for each."""
+    """Chunks of one request to store: a hash and the chunk's whole block list for each (KV cache
+    group 0's; ``groups`` has, per chunk, the block lists of groups 1 on in hybrid engines)."""
 
     req_id: str
     hashes: list[bytes]
     block_ids: list[list[int]]
     block_hashes: list[list[bytes]] = field(default_factory=list)  # each chunk's block hashes (KV events)
+    groups: list[list[list[int]]] = field(default_factory=list)
+
+    def chunk_groups(self, i: int) -> list[list[int]]:
+        """Chunk ``i``'s block ids of every KV cache group, in group order."""
+        return [self.block_ids[i], *(self.groups[i] if self.groups else ())]
 
 
 @dataclass
@@ -85,6 +102,9 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     generation: str = ""  # the scheduler side's generation of the namespaces (see reset_cache)
+    # Hybrid engines: every block vLLM handed out this step. A deferred save still reading one of
+    # them (a sliding-window block freed meanwhile) is fenced before the forward writes it.
+    allocated: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         """True when the worker has nothing to do this step."""

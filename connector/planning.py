@@ -152,3 +152,63 @@ def combine_rank_hits(num_hits: Sequence[int], tiers: Sequence[Sequence[TierT]])
     if len(tiers) == 1:  # one rank: its own answer, with no per-chunk work
         return hit, list(tiers[0][:hit])
     return hit, [max(rank_tiers[i] for rank_tiers in tiers) for i in range(hit)]
+
+
+# vLLM's null block: the id a block table holds where a sliding-window group freed (or never
+# allocated) a block outside its window.
+NULL_BLOCK = 0
+
+
+def window_first_block(num_tokens: int, reach: int | None, block_size: int) -> int:
+    """First block a group still holds once ``num_tokens`` are computed: vLLM frees every block that
+    lies wholly before ``num_tokens - reach`` (``reach``: a sliding window's tokens behind the next
+    one, ``sliding_window - 1 + extra_retained_tokens``; None for full attention, which frees none)."""
+    if reach is None:
+        return 0
+    return max(0, num_tokens - reach) // block_size
+
+
+def stored_first_block(chunk: int, geo: Geometry, reach: int | None) -> int:
+    """The first of chunk ``chunk``'s blocks (0-based in the chunk) that it holds for a group.
+
+    A load that ends in the chunk ends at its end or one block short (the last token is always left
+    to compute, see ``external_tokens``), and a sliding-window group then needs only the blocks
+    inside the window of that end; the chunk holds those, and earlier chunks hold the rest.
+    """
+    end = (chunk + 1) * geo.chunk_size - geo.block_size
+    return max(0, window_first_block(end, reach, geo.block_size) - chunk * geo.blocks_per_chunk)
+
+
+def group_save_ids(
+    ids: Sequence[int], chunk: int, geo: Geometry, reach: int | None, num_computed: int
+) -> list[int] | None:
+    """The block ids to copy into chunk ``chunk`` for one group, or None when vLLM may have freed a
+    block the chunk must hold (``num_computed``: the request's computed tokens before this step).
+
+    Blocks before ``stored_first_block`` are never loaded back; their places are filled from the
+    first held block, so the copy never reads a block vLLM may have handed to another request.
+    """
+    if reach is None:  # full attention: every block stays with the request
+        return list(ids)
+    held = stored_first_block(chunk, geo, reach)
+    freed = window_first_block(num_computed, reach, geo.block_size) - chunk * geo.blocks_per_chunk
+    if freed > held or NULL_BLOCK in ids[held:]:
+        return None
+    return [ids[held]] * held + list(ids[held:])
+
+
+def group_load_ids(
+    ids: Sequence[int], first: int, chunk: int, geo: Geometry, reach: int | None
+) -> tuple[int, list[int]]:
+    """(first block in the chunk, block ids) of one group's part of a load: the blocks vLLM allocated,
+    past the null blocks outside a sliding window (full attention has none). ValueError where a block
+    it allocated lies before the blocks the chunk holds (the load would read bytes never stored)."""
+    skip = 0
+    while reach is not None and skip < len(ids) and ids[skip] == NULL_BLOCK:
+        skip += 1
+    if skip < len(ids) and first + skip < stored_first_block(chunk, geo, reach):
+        raise ValueError(
+            f"chunk {chunk} holds blocks from {stored_first_block(chunk, geo, reach)} of a group whose "
+            f"load starts at block {first + skip}"
+        )
+    return first + skip, list(ids[skip:])

@@ -58,6 +58,16 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
         None,
     ),
     "save_errors": ("vllm:kvtier_save_errors", "Save calls that failed.", None),
+    "unsaved_chunks": (
+        "vllm:kvtier_unsaved_chunks",
+        "Chunks not saved: vLLM had freed sliding-window blocks they must hold.",
+        None,
+    ),
+    "window_fences": (
+        "vllm:kvtier_window_fences",
+        "Steps that waited for saves still reading sliding-window blocks vLLM handed out again.",
+        None,
+    ),
     "unwaited_layer_loads": (
         "vllm:kvtier_unwaited_layer_loads",
         "Steps whose forward did not wait for a layer's loads (loads recomputed, then fenced).",

@@ -27,6 +27,8 @@ from kvtier.connector.planning import (
     chunk_hashes,
     combine_rank_hits,
     external_tokens,
+    group_load_ids,
+    group_save_ids,
     load_spans,
     rank_lease_id,
     save_range,
@@ -74,7 +76,7 @@ class _Request:
     """What the scheduler side remembers of one live request."""
 
     request: Any
-    block_table: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
     watermark: int = 0
     # Tokens [quiet_from, quiet_until) of computed-after-the-step: no save can be due (see _look).
     quiet_from: int = 0
@@ -114,7 +116,12 @@ class SchedulerSide:
         self._namespaces = cfg.lookup_namespaces
         # Workers read disk hits themselves: the service then reads ahead only Redis hits.
         url = client.url if client is not None else ""
-        self._direct_disk = bool(file_channel_of(cfg.settings.disk_direct_reads, url, cfg.spec.kv_layout))
+        self._direct_disk = not cfg.hybrid and bool(
+            file_channel_of(cfg.settings.disk_direct_reads, url, cfg.spec.kv_layout)
+        )
+        self._reach = cfg.group_reach or (None,)
+        # Sliding-window blocks are freed while requests run: the workers learn each step's new blocks.
+        self._windowed = any(r is not None for r in self._reach)
 
     # ------------------------------------------------------------------------------------ lookups
     def on_new_request(self, request: Any) -> None:
@@ -213,6 +220,8 @@ class SchedulerSide:
         return time.monotonic() - lookup.started > self.cfg.settings.lease_ttl / 2
 
     def _needs_async(self, hit: _Hit, local: int, ext: int) -> bool:
+        if self.cfg.hybrid:  # vLLM takes a failed load of a hybrid engine only as a failed receive
+            return True
         spans = load_spans(local, ext, self.geo)
         return any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
 
@@ -260,23 +269,34 @@ class SchedulerSide:
         if num_external_tokens <= 0 or hit is None:
             self._release(st)
             return
-        table = list(blocks.get_block_ids()[0])
+        tables = [list(t) for t in blocks.get_block_ids()]
         spans = load_spans(answer.local_tokens, num_external_tokens, self.geo)
-        is_async = any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
+        is_async = self.cfg.hybrid or any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
         chunks = []
         sources: dict[Tier, int] = {}
         hashes, last = request.block_hashes, self._bpc - 1
+        failed = False
         for s in spans:
             slots = [_slot(rank_slots[s.chunk]) for rank_slots in hit.slots]
-            ids = table[s.table_start : s.table_start + s.count]
             tier = hit.tiers[s.chunk]
             key = bytes(hashes[s.chunk * self._bpc + last]) if is_async else b""
-            chunks.append(ChunkLoad(s.chunk, s.first, ids, slots[0], slots[1:], key, int(tier)))
+            try:
+                end = s.table_start + s.count
+                groups = [
+                    group_load_ids(table[s.table_start : end], s.first, s.chunk, self.geo, reach)
+                    for table, reach in zip(tables, self._reach, strict=True)
+                ]
+            except ValueError as exc:  # a bug of this plan, not of vLLM: the load fails, recomputed
+                faults.caught(exc, "planning a load")
+                failed = True
+                groups = [(s.first, []) for _ in tables]
+            first, ids = groups[0]
+            chunks.append(ChunkLoad(s.chunk, first, ids, slots[0], slots[1:], key, int(tier), groups[1:]))
             sources[tier] = sources.get(tier, 0) + s.count * self.geo.block_size
         st.hit_sources = sources
         self.counters.count_hits(sources)
         self._loads[request.request_id] = LoadJob(
-            request.request_id, st.lease_id, chunks, is_async, hit.instance_id
+            request.request_id, st.lease_id, chunks, is_async, hit.instance_id, failed
         )
         st.async_load_pending = is_async
         st.lease_id = ""  # the worker releases it once the copy is done
@@ -294,6 +314,8 @@ class SchedulerSide:
         meta = KVTierMetadata(generation=self.cfg.generation)
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
+        if self._windowed:
+            meta.allocated = self._allocated(so)
         scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
         for st, computed in self._track_tables(so):
             self._look(st, step, computed, scheduled, spec, meta)
@@ -319,12 +341,23 @@ class SchedulerSide:
         meta.held, self._held = self._held, []
         return meta
 
+    def _allocated(self, so: Any) -> list[int]:
+        """Every block vLLM handed out this step, of every group (new requests' whole tables)."""
+        out: list[int] = []
+        for n in so.scheduled_new_reqs:
+            for ids in n.block_ids or ():
+                out.extend(ids)
+        for ids in so.scheduled_cached_reqs.new_block_ids:
+            for group in ids or ():
+                out.extend(group)
+        return out
+
     def _on_preempted(self, req_id: str, meta: KVTierMetadata) -> None:
         st = self._reqs.get(req_id)
         if st is None:
             return
         meta.preempted.append(req_id)
-        st.block_table = []
+        st.tables = []
         st.look_at = -1  # looked at again when resumed
         load = self._loads.pop(req_id, None)
         if load is not None:  # preempted before its load ran
@@ -343,7 +376,7 @@ class SchedulerSide:
         for n in so.scheduled_new_reqs:  # first scheduled, or resumed under model runner V2
             st = reqs.get(n.req_id)
             if st is not None:
-                st.block_table = list(n.block_ids[0]) if n.block_ids is not None else []
+                st.tables = [list(t) for t in n.block_ids] if n.block_ids is not None else []
                 fresh.append((st, n.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         req_ids, new_ids = cached.req_ids, cached.new_block_ids
@@ -352,12 +385,15 @@ class SchedulerSide:
             for i, req_id in enumerate(req_ids):
                 if req_id in resumed and (st := reqs.get(req_id)) is not None:
                     ids = new_ids[i]
-                    st.block_table = list(ids[0]) if ids is not None else []
+                    st.tables = [list(t) for t in ids] if ids is not None else []
                     fresh.append((st, cached.num_computed_tokens[i]))
         for i in [i for i, ids in enumerate(new_ids) if ids is not None]:
             req_id = req_ids[i]
             if (st := reqs.get(req_id)) is not None and not (resumed and req_id in resumed):
-                st.block_table.extend(new_ids[i][0])
+                if not st.tables:
+                    st.tables = [[] for _ in new_ids[i]]
+                for table, ids in zip(st.tables, new_ids[i], strict=True):
+                    table.extend(ids)
         return fresh
 
     def _look_at(self, st: _Request, step: int) -> None:
@@ -423,17 +459,37 @@ class SchedulerSide:
         bpc = self.geo.blocks_per_chunk
         job = SaveJob(request.request_id, [], [])
         for chunk in rng.chunks:
-            try:
-                ids = chunk_block_ids(st.block_table, chunk, self.geo)
-            except ValueError:
-                break  # blocks not known (should not happen): save nothing past this point
+            groups = self._chunk_groups(st, chunk, computed)
+            if groups is None:
+                # Blocks not known (should not happen), or a window's blocks vLLM may have freed: a
+                # chunk past a missing one is never a hit, so save nothing past this point.
+                self.counters.unsaved_chunks += 1
+                break
             job.hashes.append(bytes(hashes[(chunk + 1) * bpc - 1]))
-            job.block_ids.append(ids)
+            job.block_ids.append(groups[0])
+            if len(groups) > 1:
+                job.groups.append(groups[1:])
             job.block_hashes.append(hashes[chunk * bpc : (chunk + 1) * bpc])
         if not job.hashes:
             return None
         st.saved_any = True
         return job
+
+    def _chunk_groups(self, st: _Request, chunk: int, computed: int) -> list[list[int]] | None:
+        """The block ids to save into one chunk, per KV cache group, or None when one is missing."""
+        if len(st.tables) != len(self._reach):
+            return None
+        groups = []
+        for table, reach in zip(st.tables, self._reach, strict=True):
+            try:
+                ids = chunk_block_ids(table, chunk, self.geo)
+            except ValueError:
+                return None
+            held = group_save_ids(ids, chunk, self.geo, reach, computed)
+            if held is None:
+                return None
+            groups.append(held)
+        return groups
 
     def update_connector_output(self, output: Any) -> None:
         """Note async loads that finished (the worker released their leases)."""
@@ -443,8 +499,9 @@ class SchedulerSide:
                 st.async_load_pending = False
 
     # ------------------------------------------------------------------------------- lifecycle
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Release the lease; hold the blocks while saves (or an async load) may still read them."""
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict | None]:
+        """Release the lease; hold the blocks while saves (or an async load) may still read them.
+        ``block_ids``: the request's blocks of every KV cache group."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -466,11 +523,11 @@ class SchedulerSide:
             return True, None
         return False, None
 
-    def _final_save(self, st: _Request, request: Any, block_ids: list[int]) -> SaveJob | None:
+    def _final_save(self, st: _Request, request: Any, block_ids: Sequence[Sequence[int]]) -> SaveJob | None:
         # Chunks whose hash appeared after their KV was written (async scheduling) and whose KV is
         # valid: the request's in-flight tokens are not computed yet.
         valid = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        st.block_table = list(block_ids)
+        st.tables = [list(ids) for ids in block_ids]
         return self._plan_save(st, valid, 0)
 
     def stats(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ class SchedulerCounters(_Counts):
     lookup_count: int = 0
     lookup_seconds: float = 0.0
     preemptions: int = 0
+    unsaved_chunks: int = 0  # due for saving, but a sliding window's blocks they hold were freed
 
     def count_admission(self, request: Any, num_external_tokens: int) -> None:
         """One admission of a request (a re-admission after preemption counts as such)."""
@@ -88,6 +89,7 @@ class WorkerCounters(_Counts):
     save_seconds: float = 0.0
     disk_read_chunks: int = 0  # disk hits this worker read from their files itself (file channel)
     disk_read_fallbacks: int = 0  # loads that found a file gone or the channel down: staged instead
+    window_fences: int = 0  # steps that waited for saves still reading sliding-window blocks vLLM reused
 
 
 def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

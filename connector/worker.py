@@ -7,13 +7,16 @@ CPU-tier hits into their blocks layer by layer and fires stages for lower-tier h
 hits to its disk reader, which reads the chunk files straight into the blocks: ``disk_reads``);
 ``wait_for_layer_load`` holds each attention layer until its loads are in place; ``wait_for_save`` hands
 the step's finished chunks to the copier, which copies them into reserved slots (on its copy thread,
-while vLLM goes on, when it has one) and then commits them; ``get_finished`` completes async loads and
-reports held requests once every save issued before they were held has ended. Nothing waits on the
-service longer than a small bound.
+while vLLM goes on, when it has one) and then commits them (``worker_saves``); ``get_finished``
+completes async loads and reports held requests once every save issued before they were held has
+ended. Nothing waits on the service longer than a small bound.
 
 Deferred saves read blocks after wait_for_save returns, so every path on which vLLM may reuse a
-block fences first: ``handle_preemptions`` (preempted requests), held finished requests (reported
-only after their saves end), a new arena and shutdown.
+block fences first: ``handle_preemptions`` (preempted requests, and sliding-window blocks of hybrid
+engines handed out again), held finished requests (reported only after their saves end), a new
+arena and shutdown. A hybrid engine (several KV cache groups) loads asynchronously only, and reports
+a failed load as its request's (``take_failed_loads``): vLLM maps failed blocks to requests only with
+one group.
 
 Layer-by-layer loads are safe only if vLLM calls ``wait_for_layer_load`` for every layer before its
 attention reads it; a replayed full CUDA graph, for one, does not. So the step's loads are checked
@@ -30,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from kvtier.app.client import Call, HelloReply, ReserveReply, ServiceClient, ServiceError
+from kvtier.app.client import Call, HelloReply, ServiceClient, ServiceError
 from kvtier.app.file_channel import FileChannelError, FileClient
 from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig, with_generation
@@ -43,20 +46,17 @@ from kvtier.connector.disk_reads import (
     direct_reads,
     file_channel_of,
 )
-from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.group_copy import GroupedCopier, build_copier
+from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob
 from kvtier.connector.stats import WorkerCounters, merge_counts
 from kvtier.connector.worker_arena import WorkerArena
-from kvtier.connector.worker_jobs import PendingLoad, SavedJob, StepLoads, layers_wait_in_forward
+from kvtier.connector.worker_jobs import PendingLoad, StepLoads, layers_wait_in_forward
+from kvtier.connector.worker_saves import Saves
 from kvtier.runtime.affinity import engine_cpus
 from kvtier.storage.base import SlotRef
 
 log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
-# Bound on waiting for this step's reserve answers in wait_for_save; past it the saves are skipped.
-# After one miss of the bound the worker only probes (SAVE_PROBE_S) until answers come back, in time
-# or late, so a slow or frozen service costs one bounded wait, not one per step.
-SAVE_WAIT_S = 0.02
-SAVE_PROBE_S = 0.001
 HELLO_WAIT_S = 5.0
 
 
@@ -68,23 +68,21 @@ class WorkerSide:
         self.client = client
         self.counters = WorkerCounters()
         self.totals: dict[str, Any] = {}
-        self.copier: BlockCopier | None = None
+        # One BlockCopier over every layer, or one per KV cache group (hybrid engines).
+        self.copier: BlockCopier | GroupedCopier | None = None
         self._arena = WorkerArena(engine_cpus(), cuda=False)
-        # Guards _late_errors, _saves_done and the save counters, written from client callbacks and
-        # from the copy thread when a deferred save ends.
+        # Guards the counters and the saves' ends, written from client callbacks and from the copy
+        # thread when a deferred save ends.
         self._lock = threading.Lock()
-        self._late_errors = 0
-        self._saves_issued = 0  # save batches handed to the copier; they end in this order
-        self._saves_done = 0
-        self._reserves: list[tuple[SaveJob, Call[ReserveReply]]] = []
+        windowed = [r is not None for r in cfg.group_reach]
+        chunk = cfg.geometry.chunk_size
+        self._saves = Saves(client, cfg.namespace, chunk, windowed, self.counters, self._lock)
         self._async: dict[str, PendingLoad] = {}
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # hybrid engines: failed async loads, reported whole
         self._failed_this_step: set[str] = set()
         self._finished_recving: set[str] = set()
-        self._held_now: set[str] = set()  # held from this step's metadata, until its wait_for_save
-        self._held: dict[str, int] = {}  # held request -> save batches that must end before it goes
         self._hello: Call[HelloReply] | None = None
-        self._save_wait = SAVE_WAIT_S
         self._rank = cfg.rank  # which rank's lease and slots of a load plan are this worker's
         self._layer_index = {name: i for i, name in enumerate(cfg.layer_names)}
         self._all_layers = frozenset(self._layer_index.values())
@@ -101,11 +99,12 @@ class WorkerSide:
 
     # ---------------------------------------------------------------------------------- setup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Build the block copier over the layers, in the order of vLLM's KV cache group."""
-        layers = [kv_caches[name] for name in self.cfg.layer_names]
-        copier = BlockCopier(
-            layers, self.cfg.num_blocks, self.cfg.geometry.blocks_per_chunk, helper_cpus=engine_cpus()
-        )
+        """Build the block copier over the layers, in the order of vLLM's KV cache groups."""
+        names, sizes = self.cfg.layer_names, self.cfg.group_sizes or (len(self.cfg.layer_names),)
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        groups = [[kv_caches[n] for n in names[i : i + size]] for i, size in zip(starts, sizes, strict=True)]
+        bpc = self.cfg.geometry.blocks_per_chunk
+        copier = build_copier(groups, self.cfg.num_blocks, bpc, engine_cpus())
         if copier.layout.page_bytes != self.cfg.spec.page_bytes:
             copier.close()
             raise ValueError(
@@ -146,15 +145,11 @@ class WorkerSide:
     def _start_disk_reader(self, reply: HelloReply) -> None:
         """Read disk hits from their files from now on, where the service offers its file channel."""
         copier = self.copier
-        planes = copier.host_planes if copier is not None else None
-        if (
-            self._disk is not None
-            or not reply.files
-            or copier is None
-            or planes is None
-            or self.client is None
-        ):
+        # A hybrid engine's chunk is read by the service: the reader fills one group's blocks.
+        planes = copier.host_planes if isinstance(copier, BlockCopier) else None
+        if self._disk is not None or not reply.files or planes is None or self.client is None:
             return
+        assert isinstance(copier, BlockCopier)
         path = file_channel_of(self.cfg.settings.disk_direct_reads, self.client.url, self.cfg.spec.kv_layout)
         if path:
             files = FileClient(path, self.cfg.settings.auth_token, timeout=CHANNEL_TIMEOUT_S)
@@ -172,37 +167,56 @@ class WorkerSide:
         self._finish_loads()  # the last step's, if nothing finished them (its forward raised)
         self._in_forward, self._waits_now = True, set()
         self._failed_this_step = set()
-        self._held_now.update(meta.held)  # reported in get_finished whatever else happens
+        self._saves.hold(meta.held)  # reported in get_finished whatever else happens
         if meta.generation != self.cfg.generation:
             self._regenerate(meta.generation)
         self._refresh_arena()
         if self.client is None or not self.ready or not self.cfg.saves:
             return  # a consumer stores nothing; nor does a rank whose KV another rank stores
-        for job in meta.saves:
-            self._reserves.append((job, self.client.reserve(self.cfg.namespace, job.hashes)))
+        self._saves.reserve(meta.saves)
 
     def _regenerate(self, generation: str) -> None:
         """Follow the scheduler side to a new generation of namespaces (reset_cache): saves issued
         before commit into the old namespace first, then the new spec is registered."""
         self._fence()
         self.cfg = with_generation(self.cfg, generation)
+        self._saves.namespace = self.cfg.namespace
         if self._disk is not None:
             self._disk.namespace = self.cfg.namespace
         if self.client is not None:
             self._hello = self.client.hello(self.cfg.spec)
 
+    def _fence_window_reads(self, meta: KVTierMetadata) -> None:
+        """Wait for saves still reading sliding-window blocks that vLLM handed out again this step
+        (to a forward, a block copy or a load, which write them): vLLM frees a window's blocks while
+        the request runs, so holding the request is not enough."""
+        reads = self._saves.window_reads
+        if not reads:
+            return
+        handed_out = set(meta.allocated)
+        for job in meta.loads:
+            handed_out.update(job.block_ids)
+        if reads.reused(handed_out, self._saves.done):
+            self.counters.window_fences += 1
+            self._fence()
+            reads.clear()
+
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        """Fence: copies reading blocks of requests preempted now must end before blocks are reused."""
+        """Fence: copies reading blocks of requests preempted now, or sliding-window blocks handed out
+        again, must end before vLLM writes those blocks (it zeroes and copies new blocks before the
+        step's bind, then runs the forward)."""
         if meta.preempted:
             self._fence()
+        else:
+            self._fence_window_reads(meta)
 
     def start_load(self, meta: KVTierMetadata, forward_context: Any = None) -> None:
         """Start copying CPU-tier hits into their blocks; stage lower-tier hits asynchronously."""
         sync = []
         for job in meta.loads:
-            if not job.is_async:
+            if not job.is_async and not self.cfg.hybrid:
                 sync.append(job)
-            elif self.client is None or not self.ready:
+            elif job.failed or self.client is None or not self.ready:
                 self._fail_job(job, range(len(job.chunks)))
                 self._release(job.lease_of(self._rank))
                 self._finished_recving.add(job.req_id)
@@ -260,7 +274,7 @@ class WorkerSide:
         loads = LayerLoads()  # nothing issued: nothing for the forward to wait for
         try:
             if chunks:
-                assert self.copier is not None
+                assert isinstance(self.copier, BlockCopier)  # hybrid engines load asynchronously
                 loads = self.copier.load_layers(chunks)
         except Exception as exc:  # nothing was issued: all of it is a miss, recomputed
             faults.caught(exc, "issuing loads")
@@ -335,13 +349,16 @@ class WorkerSide:
             return None
         return self._arena.view(job.instance_id, SlotRef(*slot))
 
-    def _copy_in(self, buf: memoryview, first: int, block_ids: list[int]) -> bool:
+    def _copy_in(self, buf: memoryview, chunk: ChunkLoad) -> bool:
         assert self.copier is not None
         view = self._slot_view(buf)
         if view is None:
             return False
         try:
-            self.copier.load(view, first, block_ids)
+            if isinstance(self.copier, GroupedCopier):
+                self.copier.load(view, chunk.group_loads())
+            else:
+                self.copier.load(view, chunk.first, chunk.block_ids)
         except Exception as exc:
             faults.caught(exc, "a layer's load")
             log.warning("kvtier: load copy failed: %s", exc)
@@ -362,6 +379,8 @@ class WorkerSide:
         self, job: LoadJob, failed: list[int], started: float, ended: float | None = None
     ) -> None:
         self.counters.load_seconds += (ended or time.monotonic()) - started
+        if failed and self.cfg.hybrid:  # vLLM recomputes a hybrid engine's failed load as a whole
+            failed = list(range(len(job.chunks)))
         bad = set(failed)
         ok = [c for i, c in enumerate(job.chunks) if i not in bad]
         self.counters.loaded_chunks += len(ok)
@@ -370,8 +389,11 @@ class WorkerSide:
             self._fail_job(job, failed)
 
     def _fail_job(self, job: LoadJob, failed: Any) -> None:
-        blocks = {b for i in failed for b in job.chunks[i].block_ids}
-        self._load_errors |= blocks
+        blocks = {b for i in failed for b in job.chunks[i].all_block_ids()}
+        if self.cfg.hybrid:  # vLLM maps failed blocks to requests only with one KV cache group
+            self._failed_loads.add(job.req_id)
+        else:
+            self._load_errors |= blocks
         self._failed_this_step.add(job.req_id)
         self.counters.failed_load_chunks += len(list(failed))
         self.counters.failed_load_blocks += len(blocks)
@@ -399,7 +421,7 @@ class WorkerSide:
             slot = staged.slots[chunk.index] if chunk.index < len(staged.slots) else None
             bad = chunk.index in staged.failed or slot is None
             buf = None if bad or slot is None else self._arena.view(reply.instance_id, slot)
-            if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
+            if buf is None or not self._copy_in(buf, chunk):
                 failed.append(i)
         if not self._fence():
             failed = list(range(len(job.chunks)))
@@ -414,7 +436,7 @@ class WorkerSide:
         for i, chunk in enumerate(job.chunks):
             if chunk.slot_of(self._rank) is not None:
                 buf = self._hit_buf(job, chunk)
-                if buf is None or not self._copy_in(buf, chunk.first, chunk.block_ids):
+                if buf is None or not self._copy_in(buf, chunk):
                     failed.append(i)
         if not self._fence():
             failed = list(range(len(job.chunks)))
@@ -429,117 +451,9 @@ class WorkerSide:
         committed (after this returns when the copier defers saves)."""
         self._end_forward()
         self._finish_loads()  # before planning: nothing computed on a failed load is saved
-        reserves, self._reserves = self._reserves, []
-        deadline = time.monotonic() + self._save_wait
-        batch: list[SavedJob] = []
-        chunks: list[tuple[Any, list[int]]] = []
-        for job, future in reserves:
-            try:
-                reply = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                future.add_done_callback(self._abort_late)
-                self.counters.save_skipped_chunks += len(job.hashes)
-                self._save_wait = SAVE_PROBE_S
-                continue
-            except Exception as exc:
-                faults.caught(exc, "a reserve")
-                self.counters.save_errors += 1
-                continue
-            self._save_wait = SAVE_WAIT_S
-            saved = self._plan_save(job, reply, chunks)
-            if saved.slots:
-                batch.append(saved)
-        if batch:
-            assert self.copier is not None
-            self._saves_issued += 1
-            started = time.monotonic()
-            try:
-                self.copier.save_batch(chunks, lambda error: self._saved(batch, started, error))
-            except Exception as exc:  # the copy thread refused it (closed): nothing was copied
-                faults.caught(exc, "issuing saves")
-                self._saved(batch, started, exc)
-        # Requests held from this step's metadata go once everything issued up to now has ended;
-        # not in get_finished alone, which vLLM may call before wait_for_save (defer_finalize).
-        for req_id in self._held_now:
-            self._held[req_id] = self._saves_issued
-        self._held_now = set()
-
-    def _plan_save(self, job: SaveJob, reply: ReserveReply, chunks: list[tuple[Any, list[int]]]) -> SavedJob:
-        """Add job's chunk copies to chunks; the chunks to commit once they are done."""
-        assert self.client is not None and self.copier is not None
         # Nothing computed on a failed load is stored, by any request: vLLM shares a sync load's
         # blocks with requests admitted in the same step before the load has landed.
-        skip = bool(self._failed_this_step)
-        saved = SavedJob([], [], reply.instance_id)
-        unused = []
-        for i, (h, ids, slot) in enumerate(zip(job.hashes, job.block_ids, reply.slots, strict=True)):
-            if slot is None:
-                self.counters.save_skipped_chunks += 1
-                continue
-            buf = None if skip else self._arena.view(reply.instance_id, slot)
-            if buf is None:
-                unused.append(slot)
-                continue
-            try:
-                view = self.copier.slot_view(buf[: self.copier.chunk_bytes])
-            except Exception as exc:
-                faults.caught(exc, "planning a save")
-                log.warning("kvtier: save copy failed: %s", exc)
-                unused.append(slot)
-                continue
-            chunks.append((view, ids))
-            saved.hashes.append(h)
-            saved.slots.append(slot)
-            if job.block_hashes:
-                saved.block_hashes.append(job.block_hashes[i])
-        if unused:
-            self.client.abort(unused, reply.instance_id)
-        return saved
-
-    def _saved(self, batch: list[SavedJob], started: float, error: BaseException | None) -> None:
-        """A save batch's copies ended (copy thread, or the worker thread): commit or give back."""
-        assert self.client is not None
-        try:
-            for job in batch:
-                if error is not None:  # which chunk broke is unknown: store none of them
-                    self.client.abort(job.slots, job.instance_id)
-                    continue
-                args = (self.cfg.namespace, job.hashes, job.slots, job.instance_id)
-                if job.block_hashes:  # for KV events; a stand-in client may not take them
-                    commit = self.client.commit(*args, block_hashes=job.block_hashes)
-                else:
-                    commit = self.client.commit(*args)
-                commit.add_done_callback(self._count_late_error)
-        finally:
-            chunks = 0 if error is not None else sum(len(job.slots) for job in batch)
-            with self._lock:
-                counters = self.counters
-                counters.saved_chunks += chunks
-                counters.saved_tokens += chunks * self.cfg.geometry.chunk_size
-                counters.save_errors += error is not None
-                counters.save_seconds += time.monotonic() - started
-                self._saves_done += 1
-        if error is not None:
-            faults.caught(error, "a save copy")
-            log.warning("kvtier: save copy failed: %s", error)
-
-    def _abort_late(self, future: Call[ReserveReply]) -> None:
-        # A reserve answered after we gave up: hand its slots back so none leak.
-        try:
-            reply = future.result()
-        except Exception:
-            return
-        # The service answers again: wait for the next step's reserves as usual instead of skipping
-        # saves until one happens to be answered within no wait at all.
-        self._save_wait = SAVE_WAIT_S
-        slots = [s for s in reply.slots if s is not None]
-        if slots and self.client is not None:
-            self.client.abort(slots, reply.instance_id)
-
-    def _count_late_error(self, future: Call[Any]) -> None:
-        if future.exception() is not None:
-            with self._lock:
-                self._late_errors += 1
+        self._saves.issue(self.copier, self._arena, skip=bool(self._failed_this_step))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Requests whose held blocks are free to go, and async loads that completed."""
@@ -551,13 +465,12 @@ class WorkerSide:
                 self._finish_async(pending)
                 self._finished_recving.add(req_id)
         recving, self._finished_recving = self._finished_recving, set()
-        sending: set[str] = set()
-        if self._held:
-            done = self._saves_done  # one int read: no lock needed
-            sending = {req_id for req_id, after in self._held.items() if after <= done}
-            for req_id in sending:
-                del self._held[req_id]
-        return sending, recving
+        return self._saves.released(), recving
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose async load failed since the last call (hybrid engines: vLLM recomputes them)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call."""
@@ -574,8 +487,7 @@ class WorkerSide:
         """Counters since the last call (reset on read)."""
         with self._lock:
             data = self.counters.take()
-            data["save_errors"] += self._late_errors
-            self._late_errors = 0
+            data["save_errors"] += self._saves.take_late_errors()
         self.totals = merge_counts(self.totals, data)
         return data
 

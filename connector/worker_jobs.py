@@ -62,3 +62,31 @@ def layers_wait_in_forward(forward_context: Any) -> bool:
     if getattr(mode, "name", mode) == "FULL":
         return False
     return getattr(forward_context, "attn_metadata", None) is not None
+
+
+class WindowReads:
+    """Sliding-window blocks that save batches still in flight read (hybrid engines), by batch number.
+
+    vLLM frees a window's blocks while the request runs and may hand them out again at once; a
+    deferred save still reading one must end before vLLM writes it (see ``reused``).
+    """
+
+    def __init__(self) -> None:
+        self._batches: list[tuple[int, set[int]]] = []
+
+    def add(self, batch: int, blocks: set[int]) -> None:
+        """Save batch number ``batch`` reads ``blocks`` of windowed groups."""
+        if blocks:
+            self._batches.append((batch, blocks))
+
+    def reused(self, handed_out: set[int], batches_done: int) -> bool:
+        """Whether a batch not ended yet (numbers above ``batches_done``) reads a block handed out."""
+        self._batches = [(n, ids) for n, ids in self._batches if n > batches_done]
+        return any(not ids.isdisjoint(handed_out) for _, ids in self._batches)
+
+    def clear(self) -> None:
+        """Every batch has ended (a fence)."""
+        self._batches = []
+
+    def __bool__(self) -> bool:
+        return bool(self._batches)

@@ -1,6 +1,7 @@
-"""The engine shapes the connector serves: full attention and MLA in one KV cache group; the rest is
-refused at start (the connector then stays idle) with an error that names what was found. And the
-model's identity in the namespace: what changes it (weights, config, revision, dtype) and what not."""
+"""The engine shapes the connector serves: full attention, MLA and sliding windows, in one KV cache
+group or several (vLLM's hybrid memory allocator); the rest is refused at start (the connector then
+stays idle) with an error that names what was found. And the model's identity in the namespace: what
+changes it (weights, config, revision, dtype) and what not."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     RSWASpec,
     SlidingWindowSpec,
@@ -32,8 +34,9 @@ from kvtier.storage.keys import model_files_digest
 DENSE = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
 
-def _engine(spec: Any) -> tuple[Any, KVCacheConfig]:
-    """A vLLM config reduced to what build_config reads, and a one-group KV cache config."""
+def _engine(spec: Any, *more: Any) -> tuple[Any, KVCacheConfig]:
+    """A vLLM config reduced to what build_config reads, and a KV cache config of one group of two
+    layers per spec."""
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_connector_extra_config={"chunk_size": 32}, engine_id="e1", kv_load_failure_policy="recompute"
@@ -44,36 +47,72 @@ def _engine(spec: Any) -> tuple[Any, KVCacheConfig]:
         scheduler_config=SimpleNamespace(async_scheduling=False),
         speculative_config=None,
     )
-    group = KVCacheGroupSpec(layer_names=["layer0", "layer1"], kv_cache_spec=spec)
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+    groups = [
+        KVCacheGroupSpec(layer_names=[f"layer{2 * g}", f"layer{2 * g + 1}"], kv_cache_spec=s)
+        for g, s in enumerate((spec, *more))
+    ]
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
     return vllm_config, kv_cache_config
 
 
 @pytest.mark.parametrize(
     "spec",
-    [FullAttentionSpec(**DENSE), MLAAttentionSpec(**{**DENSE, "num_kv_heads": 1, "head_size": 576})],
-    ids=["full", "mla"],
+    [
+        FullAttentionSpec(**DENSE),
+        MLAAttentionSpec(**{**DENSE, "num_kv_heads": 1, "head_size": 576}),
+        SlidingWindowSpec(**DENSE, sliding_window=128),
+    ],
+    ids=["full", "mla", "sliding-window"],
 )
-def test_full_attention_and_mla_are_served(spec: Any) -> None:
+def test_full_attention_mla_and_sliding_windows_are_served(spec: Any) -> None:
     check_kv_spec(spec)
     cfg = build_config(*_engine(spec), role_is_worker=False)
     assert cfg.layer_names == ("layer0", "layer1") and cfg.spec.page_bytes == spec.page_size_bytes
+    assert not cfg.hybrid and cfg.spec.kv_layout.endswith("/" + type(spec).__name__)
+
+
+MAMBA = MambaSpec(block_size=16, shapes=((3, 384), (4, 64, 64)), dtypes=(torch.bfloat16, torch.float32))
 
 
 @pytest.mark.parametrize(
     ("spec", "named"),
     [
-        (SlidingWindowSpec(**DENSE, sliding_window=128), "SlidingWindowSpec with a sliding window of 128"),
         (ChunkedLocalAttentionSpec(**DENSE, attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
         (RSWASpec(**DENSE, rswa_window=64), "RSWASpec"),
+        (MAMBA, "MambaSpec"),
     ],
-    ids=["sliding-window", "chunked-local", "r-swa"],
+    ids=["chunked-local", "r-swa", "state-space"],
 )
-def test_specs_whose_blocks_vllm_frees_mid_request_are_refused(spec: Any, named: str) -> None:
-    with pytest.raises(UnsupportedEngine, match=named):
+def test_specs_whose_state_a_chunk_of_blocks_cannot_hold_are_refused(spec: Any, named: str) -> None:
+    message = f"MLA and sliding-window attention .*; this engine has a KV cache group of {named}$"
+    with pytest.raises(UnsupportedEngine, match=message):
         check_kv_spec(spec)
-    with pytest.raises(UnsupportedEngine, match="FullAttentionSpec, MLAAttentionSpec"):
-        build_config(*_engine(spec), role_is_worker=False)
+    # A hybrid engine with one such group among served ones is refused as a whole.
+    with pytest.raises(UnsupportedEngine, match=message):
+        build_config(*_engine(FullAttentionSpec(**DENSE), spec), role_is_worker=False)
+
+
+def test_a_sliding_window_hybrid_gets_one_chunk_over_every_group() -> None:
+    """Gemma-3-shaped: sliding-window groups around a full-attention one, as vLLM's hybrid memory
+    allocator groups them; the chunk holds every group's layers in group order."""
+    window = SlidingWindowSpec(**DENSE, sliding_window=128)
+    retained = SlidingWindowSpec(**DENSE, sliding_window=64, extra_retained_tokens=3)
+    cfg = build_config(*_engine(window, FullAttentionSpec(**DENSE), retained), role_is_worker=False)
+    assert cfg.hybrid and cfg.group_sizes == (2, 2, 2)
+    assert cfg.group_reach == (127, None, 66)
+    assert cfg.layer_names == tuple(f"layer{i}" for i in range(6))
+    assert cfg.spec.num_layers == 6 and cfg.spec.page_bytes == window.page_size_bytes
+    assert cfg.spec.kv_layout.endswith(
+        "/groups:SlidingWindowSpec(127)x2,FullAttentionSpec x2,SlidingWindowSpec(66)x2".replace(" ", "")
+    )
+    single = build_config(*_engine(FullAttentionSpec(**DENSE)), role_is_worker=False)
+    assert single.namespace != cfg.namespace
+
+
+def test_groups_of_other_block_sizes_are_refused() -> None:
+    other = SlidingWindowSpec(**{**DENSE, "block_size": 32}, sliding_window=128)
+    with pytest.raises(UnsupportedEngine, match=r"one block size and page size; .* block sizes \[16, 32\]"):
+        build_config(*_engine(FullAttentionSpec(**DENSE), other), role_is_worker=False)
 
 
 # ------------------------------------------------------------------------ the model's identity

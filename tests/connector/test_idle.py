@@ -15,7 +15,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 from kvtier.app.embedded import paths_for
 from kvtier.connector.connector import KVTierConnector, KVTierIdle, KVTierStats
@@ -32,8 +32,9 @@ LABELS = {"model_name": "tiny", "engine": "0"}
 Make = Callable[..., KVTierConnector]
 
 
-def _engine(engine_id: str, groups: int, extra: dict[str, Any]) -> tuple[Any, KVCacheConfig]:
-    """A vLLM config reduced to what the connector reads, and a KV cache config of `groups` groups."""
+def _engine(engine_id: str, state_space: bool, extra: dict[str, Any]) -> tuple[Any, KVCacheConfig]:
+    """A vLLM config reduced to what the connector reads, and a KV cache config: one group of
+    attention, and a group of Mamba state beside it if `state_space` (a hybrid kvtier refuses)."""
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_connector_extra_config={"chunk_size": CHUNK, **extra},
@@ -46,8 +47,10 @@ def _engine(engine_id: str, groups: int, extra: dict[str, Any]) -> tuple[Any, KV
         scheduler_config=SimpleNamespace(async_scheduling=False),
         speculative_config=None,
     )
-    names = [[f"g{g}.{layer}" for layer in LAYERS] if groups > 1 else list(LAYERS) for g in range(groups)]
-    kv_groups = [KVCacheGroupSpec(layer_names=layers, kv_cache_spec=KV_SPEC) for layers in names]
+    kv_groups = [KVCacheGroupSpec(layer_names=list(LAYERS), kv_cache_spec=KV_SPEC)]
+    if state_space:
+        mamba = MambaSpec(block_size=BLOCK, shapes=((3, 384),), dtypes=(torch.bfloat16,))
+        kv_groups.append(KVCacheGroupSpec(layer_names=["mamba0"], kv_cache_spec=mamba))
     return vllm_config, KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=kv_groups)
 
 
@@ -60,11 +63,13 @@ def _kv_caches() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def make() -> Iterator[Make]:
-    """Builds connectors of one engine (role, groups=1, engine_id, extra config); shuts them down."""
+    """Builds connectors of one engine (role, state_space, engine_id, extra config); shuts them down."""
     made: list[KVTierConnector] = []
 
-    def build(role: KVConnectorRole, groups: int = 1, engine_id: str = "engine-1", **extra: Any) -> Any:
-        vllm_config, kv_cache_config = _engine(engine_id, groups, extra)
+    def build(
+        role: KVConnectorRole, state_space: bool = False, engine_id: str = "engine-1", **extra: Any
+    ) -> Any:
+        vllm_config, kv_cache_config = _engine(engine_id, state_space, extra)
         conn = KVTierConnector(vllm_config, role, kv_cache_config)
         made.append(conn)
         return conn
@@ -177,13 +182,11 @@ def test_the_active_gauge_follows_the_state_each_report_carries() -> None:
 
 
 # ------------------------------------------------------------------------------- unsupported engine
-def test_an_engine_of_two_kv_cache_groups_stays_idle_and_says_why(
-    make: Make, vllm_log: list[logging.LogRecord]
-) -> None:
-    sched, worker = make(SCHEDULER, groups=2), make(WORKER, groups=2)
+def test_a_state_space_hybrid_stays_idle_and_says_why(make: Make, vllm_log: list[logging.LogRecord]) -> None:
+    sched, worker = make(SCHEDULER, state_space=True), make(WORKER, state_space=True)
     worker.register_kv_caches({})
     warnings = _warnings(vllm_log)
-    assert len(warnings) == 2 and all("one KV cache group; this engine has 2" in w for w in warnings)
+    assert len(warnings) == 2 and all("this engine has a KV cache group of MambaSpec" in w for w in warnings)
     assert all("stays idle" in w for w in warnings)
     assert sched.get_num_new_matched_tokens(SimpleNamespace(request_id="r"), 0) == (0, False)
     reports = [_engine_report(worker, sched) for _ in range(3)]
@@ -198,11 +201,11 @@ def test_a_shared_service_hears_of_an_engine_it_does_not_serve(
     make: Make, tmp_path: Path, vllm_log: list[logging.LogRecord]
 ) -> None:
     with thread_service(tmp_path) as svc:
-        sched = make(SCHEDULER, groups=2, service_url=svc.url)
-        make(WORKER, groups=2, service_url=svc.url)
+        sched = make(SCHEDULER, state_space=True, service_url=svc.url)
+        make(WORKER, state_space=True, service_url=svc.url)
         engines = _engines(sched)
     assert [(e["engine_id"], e["role"], e["active"]) for e in engines] == [("engine-1", "scheduler", False)]
-    assert "one KV cache group; this engine has 2" in engines[0]["reason"]
+    assert "this engine has a KV cache group of MambaSpec" in engines[0]["reason"]
     assert len(_warnings(vllm_log)) == 2
 
 
@@ -258,9 +261,9 @@ def test_a_kv_layout_the_worker_cannot_copy_leaves_it_idle(
 def test_fail_when_idle_stops_an_engine_kvtier_does_not_serve(make: Make) -> None:
     for role in (SCHEDULER, WORKER):
         with pytest.raises(KVTierIdle) as refused:
-            make(role, groups=2, fail_when_idle=True)
+            make(role, state_space=True, fail_when_idle=True)
         message = str(refused.value)
-        assert "one KV cache group; this engine has 2" in message
+        assert "this engine has a KV cache group of MambaSpec" in message
         assert "fail_when_idle" in message and "KVTIER_FAIL_WHEN_IDLE" in message
 
 

@@ -189,7 +189,7 @@ def test_lower_tier_hit_loads_async_even_when_not_scheduled() -> None:
     assert disk.slot is None and (disk.key, disk.tier) == (_chunk_hash(req, 1), Tier.DISK)
     assert load.block_ids == [0, 1, 2, 3]
     # While the load is in flight the request's blocks are held if it is aborted.
-    assert side.request_finished(req, list(range(10))) == (True, None)
+    assert side.request_finished(req, (list(range(10)),)) == (True, None)
 
 
 def test_external_tokens_never_cover_the_whole_prompt() -> None:
@@ -237,7 +237,7 @@ def test_repeated_lookup_replaces_the_lease() -> None:
     side.get_num_new_matched_tokens(req, 0)  # allocation fails: no update_state_after_alloc
     side.get_num_new_matched_tokens(req, 0)
     assert client.released == [client.lookups[0]]
-    side.request_finished(req, [])
+    side.request_finished(req, ([],))
     assert client.released == client.lookups
 
 
@@ -413,7 +413,7 @@ def test_finished_request_with_saves_is_held_until_reported() -> None:
     side.get_num_new_matched_tokens(req, 0)
     side.update_state_after_alloc(req, _blocks([1, 2, 3]), 0)
     side.build_connector_meta(_output(new=[_new("a", [1, 2, 3], 0)], scheduled={"a": 70}))
-    assert side.request_finished(req, [1, 2, 3]) == (True, None)
+    assert side.request_finished(req, ([1, 2, 3],)) == (True, None)
     assert side.build_connector_meta(_output()).held == ["a"]
     assert side.build_connector_meta(_output()).held == []
 
@@ -482,7 +482,7 @@ def test_a_rank_that_holds_nothing_ends_the_lease_of_the_rank_that_holds_some() 
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert client.released == ["eng:a:1"]  # rank 1's lookup found nothing: it has no lease
     side.update_state_after_alloc(req, _blocks(list(range(10))), 0)
-    side.request_finished(req, [])
+    side.request_finished(req, ([],))
     assert client.released == ["eng:a:1"]
 
 
@@ -539,7 +539,7 @@ def test_a_consumer_loads_and_never_saves_nor_holds_blocks() -> None:
     side.update_state_after_alloc(req, _blocks(list(range(10))), 64)
     meta = side.build_connector_meta(_output(new=[_new("a", list(range(10)), 64)], scheduled={"a": 236}))
     assert len(meta.loads) == 1 and meta.saves == []
-    assert side.request_finished(req, list(range(10))) == (False, None)
+    assert side.request_finished(req, (list(range(10)),)) == (False, None)
     assert side.build_connector_meta(_output()).saves == []
 
 

@@ -56,6 +56,8 @@ class TierRounds:
     hits: dict[str, dict[str, int]]
     planned_doomed_blocks: set[int]
     failed_blocks: set[int]
+    failed_requests: set[str]
+    doomed_request: str
     failed_chunks: int
     loaded_tokens: int
     namespace: str
@@ -154,6 +156,8 @@ def tier_rounds_on(
         hits,
         doomed,
         probe.failed_blocks,
+        probe.failed_requests,
+        req_id,
         work["failed_load_chunks"],
         work["loaded_tokens"] - loaded,
         ns.namespace,
@@ -161,13 +165,21 @@ def tier_rounds_on(
     )
 
 
-def check_tier_rounds(rounds: TierRounds, block: int) -> None:
+def check_tier_rounds(rounds: TierRounds, block: int, groups: int = 1) -> None:
     """Nothing hit before the engine stored, every round hit exactly its tier's HIT tokens, and the
-    failed load reported exactly its blocks."""
+    failed load reported exactly its blocks; an engine of several KV cache groups reports the request
+    instead (vLLM then recomputes it whole)."""
     assert rounds.hits["cold"] == NO_HITS, "the first round hit chunks this engine never stored"
     assert rounds.hits["cpu"] == {**NO_HITS, "cpu": HIT}
     assert rounds.hits["disk"] == {**NO_HITS, "disk": HIT}
     assert rounds.hits["redis"] == {**NO_HITS, "redis": HIT}
+    if groups > 1:
+        assert rounds.failed_requests == {rounds.doomed_request} and rounds.failed_blocks == set()
+        assert rounds.failed_chunks == len(PROMPTS[0]) // CHUNK, "every chunk of the failed load"
+        # Recomputed whole, the request looked up again: the chunks before the first lost one load.
+        assert rounds.loaded_tokens == min(DOOMED) * CHUNK
+        return
+    assert rounds.failed_requests == set()
     assert len(rounds.planned_doomed_blocks) == len(DOOMED) * CHUNK // block
     assert rounds.failed_blocks == rounds.planned_doomed_blocks, "exactly the lost chunks' blocks failed"
     assert rounds.failed_chunks == len(DOOMED)

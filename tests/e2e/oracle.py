@@ -95,16 +95,19 @@ class Admission:
 
 class Probe:
     """Records, inside an engine running in this process, kvtier's answers to vLLM's admissions, the
-    loads its scheduler side planned and the blocks its worker reported failed."""
+    loads its scheduler side planned and the blocks (or, in engines of several KV cache groups, the
+    requests) its worker reported failed."""
 
     def __init__(self, scheduler_connector: Any, worker_connector: Any) -> None:
         self._answers: dict[tuple[str, int], Admission] = {}
         self.loads: dict[str, list[Any]] = {}  # request id -> the ChunkLoads planned for it
         self.failed_blocks: set[int] = set()
+        self.failed_requests: set[str] = set()  # async loads failed whole (engines of several groups)
         self.worker = worker_connector._worker
         self._sched = sched = scheduler_connector._sched
         matched, meta = sched.get_num_new_matched_tokens, sched.build_connector_meta
         errors = worker_connector.get_block_ids_with_load_errors
+        results = worker_connector.get_transfer_results
 
         def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
             ext, is_async = matched(request, num_computed_tokens)
@@ -125,9 +128,15 @@ class Probe:
             self.failed_blocks |= failed
             return failed
 
+        def get_transfer_results(finished_req_ids: set[str]) -> Any:
+            got = results(finished_req_ids)
+            self.failed_requests |= got.failed_recving
+            return got
+
         sched.get_num_new_matched_tokens = get_num_new_matched_tokens
         sched.build_connector_meta = build_connector_meta
         worker_connector.get_block_ids_with_load_errors = get_block_ids_with_load_errors
+        worker_connector.get_transfer_results = get_transfer_results
 
     def _hit(self, request: Any) -> int:
         answer = self._sched._reqs[request.request_id].answer
