@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -361,6 +362,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             finished_recving=set(recving or ()) | failed,
             failed_recving=failed,
         )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The step through which this worker's saves have ended (finished requests need not wait)."""
+        return self._worker.worker_meta() if self._worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Exactly the blocks whose load failed."""

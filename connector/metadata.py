@@ -1,4 +1,4 @@
-"""What travels from the scheduler-side connector to the workers each step.
+"""What travels from the scheduler-side connector to the workers each step, and back.
 
 Plain dataclasses of ints, bytes and strings: vLLM serializes scheduler output between processes.
 """
@@ -10,11 +10,17 @@ from dataclasses import dataclass, field
 from kvtier.connector.planning import rank_lease_id
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
 except ImportError:  # the worker side also runs where only torch is (bench/gpu_check.py on a GPU machine)
 
     class KVConnectorMetadata:  # type: ignore[no-redef]
         """vLLM's base class of connector metadata, where vLLM is not installed."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """vLLM's base class of worker metadata, where vLLM is not installed."""
 
 
 @dataclass(slots=True)
@@ -102,6 +108,7 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     generation: str = ""  # the scheduler side's generation of the namespaces (see reset_cache)
+    step: int = 0  # the scheduler side's step number (build_connector_meta calls), for KVTierWorkerMeta
     # Hybrid engines: every block vLLM handed out this step. A deferred save still reading one of
     # them (a sliding-window block freed meanwhile) is fenced before the forward writes it.
     allocated: list[int] = field(default_factory=list)
@@ -109,3 +116,17 @@ class KVTierMetadata(KVConnectorMetadata):
     def is_empty(self) -> bool:
         """True when the worker has nothing to do this step."""
         return not (self.loads or self.saves or self.preempted or self.held)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler side after each step: every save planned in a step up to
+    ``saved_through`` has ended (copied, or given up), so the blocks it read may be reused."""
+
+    saved_through: int
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Every rank's saves: the step through which all of them have ended."""
+        if isinstance(other, KVTierWorkerMeta):
+            return KVTierWorkerMeta(min(self.saved_through, other.saved_through))
+        return self

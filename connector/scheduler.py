@@ -21,7 +21,7 @@ from kvtier.app.client import Call, LookupReply, ServiceClient
 from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig, rank_specs, with_generation
 from kvtier.connector.disk_reads import file_channel_of
-from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.connector.planning import (
     chunk_block_ids,
     chunk_hashes,
@@ -90,6 +90,7 @@ class _Request:
     # The step at which build_connector_meta next looks at it for saves (-1: once vLLM schedules
     # it afresh; see _look).
     look_at: int = -1
+    last_save: int = 0  # the step of its last save plan
 
 
 class SchedulerSide:
@@ -110,6 +111,7 @@ class SchedulerSide:
         self._budget_left = self._budget_s
         self._bpc = self.geo.blocks_per_chunk
         self._step = 0  # build_connector_meta calls so far
+        self._saved_through = 0  # every worker's saves planned up to this step have ended
         self._looks: dict[int, list[_Request]] = {}  # step -> requests to look at then (see _look)
         self._step_tokens = max(1, cfg.step_tokens)
         # One lookup per rank, each under its own lease: a chunk is a hit when every rank holds it.
@@ -311,7 +313,7 @@ class SchedulerSide:
         """This step's loads, saves, preemptions and held finished requests."""
         self._budget_left = self._budget_s
         self._step = step = self._step + 1
-        meta = KVTierMetadata(generation=self.cfg.generation)
+        meta = KVTierMetadata(generation=self.cfg.generation, step=step)
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
         if self._windowed:
@@ -473,6 +475,7 @@ class SchedulerSide:
         if not job.hashes:
             return None
         st.saved_any = True
+        st.last_save = self._step
         return job
 
     def _chunk_groups(self, st: _Request, chunk: int, computed: int) -> list[list[int]] | None:
@@ -492,7 +495,11 @@ class SchedulerSide:
         return groups
 
     def update_connector_output(self, output: Any) -> None:
-        """Note async loads that finished (the worker released their leases)."""
+        """Note async loads that finished (the worker released their leases), and the step through
+        which the workers' saves have ended."""
+        done = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(done, KVTierWorkerMeta):
+            self._saved_through = max(self._saved_through, done.saved_through)
         for req_id in getattr(output, "finished_recving", None) or ():
             st = self._reqs.get(req_id)
             if st is not None:
@@ -518,7 +525,9 @@ class SchedulerSide:
         final = self._final_save(st, request, block_ids)
         if final is not None:
             self._final_saves.append(final)
-        if st.saved_any:
+        # Held while a save may still read its blocks: one planned now, or one the workers have not
+        # reported ended (a step later, in get_finished, instead of freeing the blocks at once).
+        if final is not None or (st.saved_any and st.last_save > self._saved_through):
             self._held.append(request.request_id)
             return True, None
         return False, None

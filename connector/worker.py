@@ -47,7 +47,7 @@ from kvtier.connector.disk_reads import (
     file_channel_of,
 )
 from kvtier.connector.group_copy import GroupedCopier, build_copier
-from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob
+from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, KVTierWorkerMeta, LoadJob
 from kvtier.connector.stats import WorkerCounters, merge_counts
 from kvtier.connector.worker_arena import WorkerArena
 from kvtier.connector.worker_jobs import PendingLoad, StepLoads, layers_wait_in_forward
@@ -94,6 +94,7 @@ class WorkerSide:
         self._waits_now: set[int] = set()
         self._forward_layers: set[int] = set()
         self._disk: DiskReader | None = None  # reads disk hits from their files (file channel)
+        self._step = 0  # the scheduler side's number of the step bound last
         if client is not None:
             self._hello = client.hello(cfg.spec)
 
@@ -166,6 +167,7 @@ class WorkerSide:
         """Start this step's reserves early, so their answers are in by wait_for_save."""
         self._finish_loads()  # the last step's, if nothing finished them (its forward raised)
         self._in_forward, self._waits_now = True, set()
+        self._step = meta.step
         self._failed_this_step = set()
         self._saves.hold(meta.held)  # reported in get_finished whatever else happens
         if meta.generation != self.cfg.generation:
@@ -453,7 +455,7 @@ class WorkerSide:
         self._finish_loads()  # before planning: nothing computed on a failed load is saved
         # Nothing computed on a failed load is stored, by any request: vLLM shares a sync load's
         # blocks with requests admitted in the same step before the load has landed.
-        self._saves.issue(self.copier, self._arena, skip=bool(self._failed_this_step))
+        self._saves.issue(self.copier, self._arena, bool(self._failed_this_step), self._step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Requests whose held blocks are free to go, and async loads that completed."""
@@ -466,6 +468,10 @@ class WorkerSide:
                 self._finished_recving.add(req_id)
         recving, self._finished_recving = self._finished_recving, set()
         return self._saves.released(), recving
+
+    def worker_meta(self) -> KVTierWorkerMeta:
+        """What the scheduler side learns after each step: the step through which saves have ended."""
+        return KVTierWorkerMeta(self._saves.saved_through())
 
     def take_failed_loads(self) -> set[str]:
         """Requests whose async load failed since the last call (hybrid engines: vLLM recomputes them)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from kvtier.app.client import Call, ReserveReply, ServiceClient
@@ -56,6 +57,10 @@ class Saves:
         self._late_errors = 0
         self._reserves: list[tuple[SaveJob, Call[ReserveReply]]] = []
         self._wait = SAVE_WAIT_S
+        # Steps whose save batches may still run, with the batches issued through each (see
+        # saved_through), and the last step whose saves were issued.
+        self._steps: deque[tuple[int, int]] = deque()
+        self._issued_step = 0
         self._held_now: set[str] = set()  # held from this step's metadata, until its issue()
         self._held: dict[str, int] = {}  # held request -> save batches that must end before it goes
 
@@ -70,8 +75,10 @@ class Saves:
         this step's issue() have ended."""
         self._held_now.update(req_ids)
 
-    def issue(self, copier: BlockCopier | GroupedCopier | None, arena: WorkerArena, skip: bool) -> None:
-        """Hand the reserved chunks to the copier (``skip``: store none, a load failed this step)."""
+    def issue(
+        self, copier: BlockCopier | GroupedCopier | None, arena: WorkerArena, skip: bool, step: int
+    ) -> None:
+        """Hand step ``step``'s reserved chunks to the copier (``skip``: store none, a load failed)."""
         reserves, self._reserves = self._reserves, []
         deadline = time.monotonic() + self._wait
         batch: list[SavedJob] = []
@@ -104,6 +111,8 @@ class Saves:
             except Exception as exc:  # the copy thread refused it (closed): nothing was copied
                 faults.caught(exc, "issuing saves")
                 self._ended(batch, started, exc)
+            self._steps.append((step, self.issued))
+        self._issued_step = max(self._issued_step, step)
         # Requests held from this step's metadata go once everything issued up to now has ended;
         # not in get_finished alone, which vLLM may call before wait_for_save (defer_finalize).
         for req_id in self._held_now:
@@ -208,6 +217,13 @@ class Saves:
         for req_id in sending:
             del self._held[req_id]
         return sending
+
+    def saved_through(self) -> int:
+        """The last step through which every save issued has ended (batches end in order)."""
+        done = self.done  # one int read: no lock needed
+        while self._steps and self._steps[0][1] <= done:
+            self._steps.popleft()
+        return self._steps[0][0] - 1 if self._steps else self._issued_step
 
     def take_late_errors(self) -> int:
         """Commits that failed after their step, since the last call (the caller holds the lock)."""

@@ -14,6 +14,7 @@ import pytest
 from kvtier.app.client import LookupReply, ServiceUnavailable
 from kvtier.app.settings import KVTierSettings
 from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.metadata import KVTierWorkerMeta
 from kvtier.connector.planning import Geometry
 from kvtier.connector.scheduler import SchedulerSide
 from kvtier.storage.base import LookupResult, NamespaceSpec, SlotRef, Tier
@@ -416,6 +417,25 @@ def test_finished_request_with_saves_is_held_until_reported() -> None:
     assert side.request_finished(req, ([1, 2, 3],)) == (True, None)
     assert side.build_connector_meta(_output()).held == ["a"]
     assert side.build_connector_meta(_output()).held == []
+
+
+def test_a_finished_request_whose_saves_the_workers_report_ended_frees_its_blocks_at_once() -> None:
+    """The workers report, after each step, the step through which their saves have ended
+    (KVTierWorkerMeta, every rank's least); a request whose last save planned is no later goes
+    free at once instead of waiting a step for get_finished."""
+    side = SchedulerSide(_cfg(), FakeClient())
+    reqs = {r: FakeRequest(r, 70, 2, seed=i) for i, r in enumerate("ab")}
+    for req in reqs.values():
+        side.get_num_new_matched_tokens(req, 0)
+        side.update_state_after_alloc(req, _blocks([1, 2, 3]), 0)
+    first = side.build_connector_meta(_output(new=[_new("a", [1, 2, 3], 0)], scheduled={"a": 70}))
+    second = side.build_connector_meta(_output(new=[_new("b", [4, 5, 6], 0)], scheduled={"b": 70}))
+    assert [s.req_id for s in first.saves] == ["a"] and [s.req_id for s in second.saves] == ["b"]
+    ranks = KVTierWorkerMeta(second.step).aggregate(KVTierWorkerMeta(first.step))
+    side.update_connector_output(SimpleNamespace(finished_recving=None, kv_connector_worker_meta=ranks))
+    assert side.request_finished(reqs["a"], ([1, 2, 3],)) == (False, None)
+    assert side.request_finished(reqs["b"], ([4, 5, 6],)) == (True, None), "rank 1 has not ended b's"
+    assert side.build_connector_meta(_output()).held == ["b"]
 
 
 def test_save_decode_off_stops_at_the_prompt() -> None:

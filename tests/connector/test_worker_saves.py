@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.connector.metadata import KVTierMetadata, SaveJob
+from kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, SaveJob
 from kvtier.connector.worker import WorkerSide
 
 
@@ -112,6 +112,21 @@ def test_a_held_request_without_saves_in_flight_goes_at_once(arena_worker) -> No
     worker.bind(KVTierMetadata(held=["r1"]))
     worker.wait_for_save()
     assert worker.get_finished(set()) == ({"r1"}, set())
+
+
+def test_the_scheduler_side_learns_the_step_through_which_saves_have_ended(gated) -> None:
+    worker, _, gate = gated
+    worker.bind(KVTierMetadata(step=1))
+    worker.wait_for_save()
+    assert worker.worker_meta() == KVTierWorkerMeta(1)  # nothing to save: step 1 is through
+    worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])], step=2))
+    worker.wait_for_save()
+    worker.bind(KVTierMetadata(step=3))
+    worker.wait_for_save()
+    assert worker.worker_meta() == KVTierWorkerMeta(1)  # step 2's copy waits at the gate
+    gate.set()
+    worker.copier.wait()
+    assert worker.worker_meta() == KVTierWorkerMeta(3)
 
 
 def test_preemption_fences_deferred_saves(gated) -> None:
