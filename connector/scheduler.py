@@ -465,7 +465,7 @@ class SchedulerSide:
             if groups is None:
                 # Blocks not known (should not happen), or a window's blocks vLLM may have freed: a
                 # chunk past a missing one is never a hit, so save nothing past this point.
-                self.counters.unsaved_chunks += 1
+                self.counters.unsaved_chunks += rng.hi - chunk
                 break
             job.hashes.append(bytes(hashes[(chunk + 1) * bpc - 1]))
             job.block_ids.append(groups[0])

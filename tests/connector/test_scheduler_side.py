@@ -581,3 +581,54 @@ def test_a_cache_reset_moves_lookups_and_saves_to_a_new_generation() -> None:
     assert side.build_connector_meta(_output()).generation == gen
     side.reset_cache()
     assert side.cfg.generation != gen and side.cfg.spec.model == f"m~gen:{side.cfg.generation}"
+
+
+# ----------------------------------------------------------------------------- hybrid engines
+def _hybrid() -> ConnectorConfig:
+    """Two KV cache groups of one layer: a sliding window of 32 tokens (reach 31), full attention."""
+    return dataclasses.replace(_cfg(), group_sizes=(1, 1), group_reach=(31, None))
+
+
+def _group_blocks(*tables: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: tuple(list(t) for t in tables))
+
+
+def test_a_hybrid_engine_loads_asynchronously_and_only_the_windows_blocks() -> None:
+    client = FakeClient()
+    side = SchedulerSide(_hybrid(), client)
+    req = FakeRequest("a", 300, 9)
+    client.stored = {_chunk_hash(req, c): Tier.CPU for c in range(4)}
+    assert side.get_num_new_matched_tokens(req, 0) == (256, True), "a CPU hit too: async"
+    # vLLM's tables: the window's group keeps the blocks from (256 - 31) // 32 = 7 on, nulls before.
+    window, full = [0] * 7 + [17, 18, 19], list(range(1, 11))
+    side.update_state_after_alloc(req, _group_blocks(window, full), 256)
+    (load,) = side.build_connector_meta(_output()).loads
+    assert load.is_async and not load.failed
+    assert [(c.first, c.block_ids) for c in load.chunks] == [(2, []), (2, []), (2, []), (1, [17])]
+    assert [c.groups for c in load.chunks] == [[(0, [1, 2])], [(0, [3, 4])], [(0, [5, 6])], [(0, [7, 8])]]
+
+
+def test_a_hybrid_engines_steps_name_every_block_handed_out() -> None:
+    side = SchedulerSide(_hybrid(), FakeClient())
+    req = FakeRequest("a", 70, 2)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _group_blocks([1, 2, 3], [4, 5, 6]), 0)
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3], [4, 5, 6]), num_computed_tokens=0)
+    meta = side.build_connector_meta(_output(new=[new], scheduled={"a": 70}))
+    assert sorted(meta.allocated) == [1, 2, 3, 4, 5, 6]
+    (save,) = meta.saves
+    assert save.block_ids == [[1, 2]] and save.groups == [[[4, 5]]]
+    assert SchedulerSide(_cfg(), FakeClient()).build_connector_meta(_output()).allocated == []
+
+
+def test_chunks_whose_window_blocks_vllm_freed_are_not_saved() -> None:
+    """A request scheduled afresh with 192 tokens computed: vLLM has freed its window's blocks before
+    (192 - 31) // 32 = 5, so chunks 0 to 3 (blocks 0 to 7) cannot be saved whole."""
+    side = SchedulerSide(_hybrid(), FakeClient())
+    req = FakeRequest("a", 300, 9)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, _group_blocks([0] * 5 + [6, 7, 8, 9], list(range(1, 10))), 0)
+    tables = ([0] * 5 + [6, 7, 8, 9], list(range(1, 10)))
+    new = SimpleNamespace(req_id="a", block_ids=tables, num_computed_tokens=192)
+    meta = side.build_connector_meta(_output(new=[new], scheduled={"a": 64}))
+    assert meta.saves == [] and side.counters.unsaved_chunks == 4

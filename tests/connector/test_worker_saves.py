@@ -133,18 +133,19 @@ def test_preemption_fences_deferred_saves(gated) -> None:
     worker, client, gate = gated
     worker.bind(KVTierMetadata(saves=[SaveJob("r1", [b"a"], [[0, 1]])]))
     worker.wait_for_save()
-    fenced = threading.Event()
+    commits_when_fenced: list[int] = []
 
     def preempt() -> None:
         worker.handle_preemptions(KVTierMetadata(preempted=["r1"]))
-        fenced.set()
+        commits_when_fenced.append(len(client.commits))
 
     thread = threading.Thread(target=preempt)
     thread.start()
-    assert not fenced.wait(0.2)  # the preempted request's blocks are still being read
+    assert client.commits == []  # the save still waits at the gate: the fence cannot have ended
     gate.set()
     thread.join(10)
-    assert fenced.is_set() and [h for h, _ in client.commits] == [[b"a"]]
+    # The fence returned only once the copy had ended and been committed.
+    assert commits_when_fenced == [1] and [h for h, _ in client.commits] == [[b"a"]]
 
 
 def test_a_save_the_save_thread_refuses_gives_its_slots_back_without_raising(arena_worker) -> None:
