@@ -24,6 +24,9 @@ from kvtier.connector.planning import (
     window_first_block,
 )
 
+# Block size, blocks per chunk, sliding window, extra retained tokens.
+GEOMETRY_AND_WINDOW = (st.sampled_from([16, 32]), st.integers(1, 8), st.integers(1, 600), st.integers(0, 3))
+
 
 def _vllm_first_block(num_tokens: int, window: int, extra: int, block_size: int) -> int:
     """The first block vLLM keeps after ``num_tokens``: its own get_num_skipped_tokens, whole blocks."""
@@ -39,15 +42,7 @@ def test_the_first_kept_block_is_vllms(num_tokens: int, window: int, extra: int,
     assert window_first_block(num_tokens, None, block) == 0  # full attention frees nothing
 
 
-@given(
-    st.sampled_from([16, 32]),
-    st.integers(1, 8),
-    st.integers(1, 600),
-    st.integers(0, 3),
-    st.integers(2, 2000),
-    st.integers(1, 40),
-    st.integers(0, 10),
-)
+@given(*GEOMETRY_AND_WINDOW, st.integers(2, 2000), st.integers(1, 40), st.integers(0, 10))
 def test_every_block_vllm_allocates_for_a_load_is_one_a_chunk_holds(
     block: int, bpc: int, window: int, extra: int, num_tokens: int, hit_chunks: int, local_blocks: int
 ) -> None:
@@ -72,14 +67,7 @@ def test_every_block_vllm_allocates_for_a_load_is_one_a_chunk_holds(
             assert first >= stored_first_block(span.chunk, geo, reach)
 
 
-@given(
-    st.sampled_from([16, 32]),
-    st.integers(1, 8),
-    st.integers(1, 600),
-    st.integers(0, 3),
-    st.integers(0, 30),
-    st.integers(0, 3000),
-)
+@given(*GEOMETRY_AND_WINDOW, st.integers(0, 30), st.integers(0, 3000))
 def test_a_save_reads_only_blocks_vllm_still_holds(
     block: int, bpc: int, window: int, extra: int, chunk: int, computed: int
 ) -> None:
