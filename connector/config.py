@@ -313,7 +313,8 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
     check_parallel(vllm_config.parallel_config)
     tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
     replicated = all(tp_replicated(g.kv_cache_spec) for g in groups)
-    spec = _namespace_spec(vllm_config, kv_cache_config, settings.chunk_size, tp_rank, pp_rank)
+    spec_tp_rank = EVERY_TP_RANK if replicated else tp_rank
+    spec = _namespace_spec(vllm_config, kv_cache_config, settings.chunk_size, spec_tp_rank, pp_rank)
     return ConnectorConfig(
         settings=settings,
         geometry=geometry,
@@ -355,7 +356,8 @@ def with_generation(cfg: ConnectorConfig, generation: str) -> ConnectorConfig:
 def _namespace_spec(
     vllm_config: Any, kv_cache_config: Any, chunk_size: int, tp_rank: int, pp_rank: int
 ) -> NamespaceSpec:
-    """This rank's namespace spec (KV every tensor-parallel rank holds alike names no tp rank)."""
+    """This rank's namespace spec (``tp_rank`` EVERY_TP_RANK for KV every tensor-parallel rank
+    holds alike)."""
     groups = kv_cache_config.kv_cache_groups
     kv_spec = groups[0].kv_cache_spec
     parallel = vllm_config.parallel_config
@@ -367,7 +369,7 @@ def _namespace_spec(
         chunk_size=chunk_size,
         num_layers=sum(len(g.layer_names) for g in groups),
         page_bytes=int(kv_spec.page_size_bytes),
-        tp_rank=EVERY_TP_RANK if all(tp_replicated(g.kv_cache_spec) for g in groups) else tp_rank,
+        tp_rank=tp_rank,
         tp_size=int(parallel.tensor_parallel_size),
         pp_rank=pp_rank,
         pp_size=int(parallel.pipeline_parallel_size),

@@ -23,6 +23,7 @@ from kvtier.connector.config import ConnectorConfig, rank_specs, with_generation
 from kvtier.connector.disk_reads import file_channel_of
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.connector.planning import (
+    ChunkSpan,
     chunk_block_ids,
     chunk_hashes,
     combine_rank_hits,
@@ -181,7 +182,7 @@ class SchedulerSide:
         hit = self._combine(st, replies)
         ext = external_tokens(hit.num_hit, num_computed_tokens, request.num_tokens, self.geo)
         st.answer = _Answer(hit, num_computed_tokens, ext)
-        return ext, ext > 0 and self._needs_async(hit, num_computed_tokens, ext)
+        return ext, ext > 0 and self._needs_async(hit, load_spans(num_computed_tokens, ext, self.geo))
 
     def _combine(self, st: _Request, replies: list[LookupReply]) -> _Hit:
         """One hit from every rank's answer; no lease is left behind when it is none."""
@@ -221,11 +222,10 @@ class SchedulerSide:
         # An answer is only as good as its lease; never act on one that may have expired meanwhile.
         return time.monotonic() - lookup.started > self.cfg.settings.lease_ttl / 2
 
-    def _needs_async(self, hit: _Hit, local: int, ext: int) -> bool:
-        if self.cfg.hybrid:  # vLLM takes a failed load of a hybrid engine only as a failed receive
-            return True
-        spans = load_spans(local, ext, self.geo)
-        return any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
+    def _needs_async(self, hit: _Hit, spans: list[ChunkSpan]) -> bool:
+        """Whether a load waits for its KV asynchronously: a lower-tier chunk, or a hybrid engine
+        (vLLM takes a failed load of one only as a failed receive)."""
+        return self.cfg.hybrid or any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
 
     def reset_cache(self) -> bool:
         """Move this engine to a new generation of namespaces (vLLM reset its caches, e.g. after new
@@ -273,7 +273,7 @@ class SchedulerSide:
             return
         tables = [list(t) for t in blocks.get_block_ids()]
         spans = load_spans(answer.local_tokens, num_external_tokens, self.geo)
-        is_async = self.cfg.hybrid or any(hit.tiers[s.chunk] != Tier.CPU for s in spans)
+        is_async = self._needs_async(hit, spans)
         chunks = []
         sources: dict[Tier, int] = {}
         hashes, last = request.block_hashes, self._bpc - 1
