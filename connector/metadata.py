@@ -48,6 +48,11 @@ class ChunkLoad:
         """(first, block_ids) of every KV cache group, in group order."""
         return [(self.first, self.block_ids), *self.groups]
 
+    def num_blocks(self) -> int:
+        """Blocks of the chunk this load fills: the most any group loads (a window's group may load
+        fewer, where its blocks outside the window are null)."""
+        return max(len(ids) for _, ids in self.group_loads())
+
     def all_block_ids(self) -> list[int]:
         """The destination blocks of every group."""
         return self.block_ids + [b for _, ids in self.groups for b in ids]

@@ -386,7 +386,7 @@ class WorkerSide:
         bad = set(failed)
         ok = [c for i, c in enumerate(job.chunks) if i not in bad]
         self.counters.loaded_chunks += len(ok)
-        self.counters.loaded_tokens += sum(len(c.block_ids) for c in ok) * self.cfg.geometry.block_size
+        self.counters.loaded_tokens += sum(c.num_blocks() for c in ok) * self.cfg.geometry.block_size
         if failed:
             self._fail_job(job, failed)
 

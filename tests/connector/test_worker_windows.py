@@ -66,6 +66,7 @@ def test_a_hybrid_chunk_holds_each_groups_blocks_and_loads_back_into_the_window(
     job = LoadJob("r2", "lease", [ChunkLoad(0, 1, [9], tier=0, groups=[(0, [10, 11])])], is_async=True)
     _load(worker, job)
     assert worker.take_failed_loads() == set() and client.released == ["lease"]
+    assert worker.stats()["loaded_tokens"] == 2 * BLOCK  # the full-attention group's two blocks
     assert _rows(kv, "swa0", [9]) == _rows(kv, "swa0", [3])
     assert _rows(kv, "full0", [10, 11]) == _rows(kv, "full0", [4, 5])
 
