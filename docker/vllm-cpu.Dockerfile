@@ -6,7 +6,8 @@
 # ---- build: a wheel of kvtier.
 FROM python:3.11.13-slim-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
+COPY runtime ./runtime
 COPY app ./app
 COPY storage ./storage
 COPY connector ./connector

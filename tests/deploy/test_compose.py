@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -481,6 +482,42 @@ def test_images_install_kvtier_without_vllm_extras() -> None:
         assert not re.search(r"\[(cpu|gpu)\]", code), path.name
 
 
+def _wheel_inputs() -> set[str]:
+    """What `pip wheel .` reads from the checkout: pyproject.toml, its readme and license files, and
+    every package folder that pyproject.toml maps into the wheel."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    folders = set(project["tool"]["setuptools"]["package-dir"].values())
+    meta = project["project"]
+    return {"pyproject.toml", meta["readme"], *meta.get("license-files", []), *folders}
+
+
+def _copied_into_wheel_stage(path: Path) -> set[str]:
+    """The sources every COPY of the stage that runs `pip wheel` copies (stages end at FROM)."""
+    stages: list[list[str]] = []
+    for line in re.sub(r"\\\n", " ", path.read_text()).splitlines():
+        words = line.split()
+        if words and words[0].upper() == "FROM":
+            stages.append([])
+        elif stages and words and not words[0].startswith("#"):
+            stages[-1].append(line)
+    wheel = [stage for stage in stages if any("pip wheel" in line for line in stage)]
+    assert len(wheel) == 1, f"{path.name}: expected one stage that runs pip wheel"
+    copied: set[str] = set()
+    for line in wheel[0]:
+        words = line.split()
+        if words[0].upper() == "COPY" and not any(w.startswith("--from") for w in words):
+            copied |= {src.rstrip("/").removeprefix("./") for src in words[1:-1] if not src.startswith("--")}
+    return copied
+
+
+@pytest.mark.parametrize("label", sorted(DOCKERFILES))
+def test_wheel_stage_copies_every_package_folder(label: str) -> None:
+    """Each Dockerfile's wheel stage copies every folder pyproject.toml packages, and the files the
+    build reads: a folder left out stops `pip wheel .` with "package directory ... does not exist"."""
+    missing = _wheel_inputs() - _copied_into_wheel_stage(DOCKERFILES[label])
+    assert not missing, f"{DOCKERFILES[label].name}: the wheel stage does not COPY {sorted(missing)}"
+
+
 def test_dockerignore_keeps_secrets_and_venv_out() -> None:
     """The build context leaves out .env, .venv and .git, and keeps what the wheel build needs."""
     ignored = {
@@ -488,7 +525,7 @@ def test_dockerignore_keeps_secrets_and_venv_out() -> None:
         if line.strip() and not line.startswith("#")
     }  # fmt: skip
     assert {".env", ".venv", ".git"} <= ignored
-    assert not ignored & {"app", "storage", "connector", "pyproject.toml", "README.md"}
+    assert not ignored & _wheel_inputs()
 
 
 # ------------------------------------------------------------------------------------- .env.example
