@@ -40,6 +40,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu": ("kvtier.bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
     "gpu-check": ("kvtier.bench.gpu_check", "correctness of the CUDA copy path (CPU part runs anywhere)"),
     "serve": ("kvtier.bench.serve", "vllm bench serve: prefix cache alone, with kvtier, and its ceiling"),
+    "kill": ("kvtier.bench.serve_kill", "vllm bench serve with the embedded service killed mid-run"),
 }
 
 

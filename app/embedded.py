@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +44,15 @@ from kvtier.app.address import MAX_UNIX_PATH, runtime_dir
 from kvtier.app.client import ServiceClient
 from kvtier.app.logs import LogStream
 from kvtier.app.settings import ENV_PREFIX, KVTierSettings
-from kvtier.runtime.affinity import engine_cpus, format_cpus
+from kvtier.runtime.affinity import call_on, engine_cpus, format_cpus, unbound_environ
 
 log = logging.getLogger("kvtier.embedded")
 
 STARTUP_TIMEOUT_S = 30.0
+RESPAWN_TIMEOUT_S = 10.0  # a respawn starts warm (no first import of kvtier from a cold disk)
 PROBE_TIMEOUT_S = 0.5
 STALE_WAIT_S = 3.0
-_MIN_RESPAWN_INTERVAL_S = 0.5
+RESPAWN_BACKOFF_S = (0.5, 8.0)  # the wait before a respawn attempt: doubles per failure, capped
 
 
 class EmbeddedError(Exception):
@@ -319,10 +322,19 @@ def _spawn(
         log_stream,  # its lines go where the engine's own log lines go
     ]
     cpus = engine_cpus()
-    if cpus:  # not the cores vLLM bound the spawning thread to (see app/affinity.py)
+    if cpus:
         cmd += ["--cpus", format_cpus(cpus)]
-    env = service_env(settings)  # the child finds kvtier as this process did (installed, or PYTHONPATH)
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+    # The child finds kvtier as this process did (installed, or PYTHONPATH); nothing in its
+    # environment may bind it to the core vLLM runs its model on (runtime/affinity.py).
+    env = unbound_environ(service_env(settings))
+
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True
+        )
+
+    # Started from a thread on the engine's CPUs: the spawning thread may be bound to the model's core.
+    proc = call_on(cpus, popen) if cpus else popen()
     # Reap the child whenever it exits so it never lingers as a zombie of the engine process.
     threading.Thread(target=proc.wait, name="kvtier-service-reaper", daemon=True).start()
     return proc
@@ -340,8 +352,10 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, state: Path, token: s
                 "(its log is on this process's stderr)"
             )
         time.sleep(0.02)
-    proc.terminate()
-    raise EmbeddedError(f"the kvtier service did not listen on {sock} within {timeout:.0f}s")
+    # Its process group: the process spawned and the service it may have forked (app/daemon.py).
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    raise EmbeddedError(f"the kvtier service did not serve on {sock} within {timeout:.0f}s; killed it")
 
 
 def _wait_detached(proc: subprocess.Popen[bytes], state: Path, deadline: float) -> None:
@@ -366,54 +380,116 @@ def ensure_service(
     if no process of the engine has started it yet, or if it died), logging to log_stream."""
     if settings.service_url:
         return settings.service_url
+    return _ensure_embedded(settings, engine_id, startup_timeout, log_stream)[0]
+
+
+def _ensure_embedded(
+    settings: KVTierSettings, engine_id: str, startup_timeout: float, log_stream: LogStream
+) -> tuple[str, bool]:
+    """(url, whether this call started the service) of the engine's embedded service."""
     sock, lock, state = paths_for(engine_id)
     url = f"unix://{sock}"
     token = settings.auth_token
     if probe(sock, token):
-        return url
-    with _locked(lock, startup_timeout + 5.0):
+        return url, False
+    # Another process may hold the lock while its own start runs for up to the longest timeout.
+    with _locked(lock, max(startup_timeout, STARTUP_TIMEOUT_S) + 2 * STALE_WAIT_S + 5.0):
         if probe(sock, token):  # another process of the engine started it while we waited
-            return url
+            return url, False
         if clean_stale(sock, state, token):
-            return url
+            return url, False
         sweep_dead(sock.parent)
         sweep_locks(sock.parent)
         log.info("starting the embedded kvtier service", extra={"url": url})
         proc = _spawn(settings, sock, state, log_stream)
         _wait_ready(proc, sock, state, token, startup_timeout)
-    return url
+    return url, True
 
 
-def respawner(
-    settings: KVTierSettings, engine_id: str, log_stream: LogStream = "stderr"
-) -> Callable[[], None]:
+@dataclass
+class RespawnCounts:
+    """What one process's respawns of its embedded service came to (read by the connector's stats)."""
+
+    started: int = 0  # respawns that brought a serving service up
+    failed: int = 0  # respawns that did not serve within their timeout (killed) or could not start
+
+
+class Respawner:
     """An ``on_unavailable`` hook for ServiceClient that restarts the embedded service when it died.
 
-    Rate-limited so a service that cannot start is not spawned in a tight loop.
+    A respawn that does not serve within ``timeout`` is killed (``ensure_service``) and tried again
+    at the client's next failed connect, after a wait that doubles with each failure in a row
+    (``RESPAWN_BACKOFF_S``), so a service that cannot start is not spawned in a tight loop and one
+    that can is never given up on while the engine runs.
     """
-    last = [0.0]
-    guard = threading.Lock()
 
-    def hook() -> None:
-        """Restart the service if it is gone (runs on the client's executor thread)."""
-        with guard:
-            wait = last[0] + _MIN_RESPAWN_INTERVAL_S - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            last[0] = time.monotonic()
+    def __init__(
+        self,
+        settings: KVTierSettings,
+        engine_id: str,
+        log_stream: LogStream = "stderr",
+        counts: RespawnCounts | None = None,
+        *,
+        timeout: float = RESPAWN_TIMEOUT_S,
+        backoff: tuple[float, float] = RESPAWN_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._settings = settings
+        self._engine_id = engine_id
+        self._log_stream = log_stream
+        self.counts = counts if counts is not None else RespawnCounts()
+        self.timeout = timeout  # how long one respawn may take to serve before it is killed
+        self._first_wait, self._max_wait = backoff
+        self._clock, self._sleep = clock, sleep
+        self._failures = 0  # in a row
+        self._last = -math.inf
+        self._guard = threading.Lock()
+
+    def next_wait(self) -> float:
+        """Seconds between the last attempt and the next one."""
+        return float(min(self._max_wait, self._first_wait * 2**self._failures))
+
+    def __call__(self) -> None:
+        """Restart the service if it is gone (runs on the client's executor thread; may block)."""
+        with self._guard:
+            remaining = self._last + self.next_wait() - self._clock()
+            if remaining > 0:
+                self._sleep(remaining)
+            self._last = self._clock()
             try:
-                ensure_service(settings, engine_id, log_stream=log_stream)
+                url, started = _ensure_embedded(
+                    self._settings, self._engine_id, self.timeout, self._log_stream
+                )
             except (EmbeddedError, OSError) as exc:
-                log.warning("restarting the embedded kvtier service failed: %s", exc)
-
-    return hook
+                self._failures += 1
+                self.counts.failed += 1
+                log.warning(
+                    "restarting the embedded kvtier service failed (%d in a row; next try in %.1fs): %s",
+                    self._failures,
+                    self.next_wait(),
+                    exc,
+                )
+                return
+            self._failures = 0
+            if started:
+                self.counts.started += 1
+                log.info(
+                    "restarted the embedded kvtier service",
+                    extra={"url": url, "respawns": self.counts.started},
+                )
 
 
 def connect(
-    settings: KVTierSettings, engine_id: str, *, log_stream: LogStream = "stderr", **client_kwargs: Any
+    settings: KVTierSettings,
+    engine_id: str,
+    *,
+    log_stream: LogStream = "stderr",
+    respawns: RespawnCounts | None = None,
+    **client_kwargs: Any,
 ) -> ServiceClient:
-    """A ServiceClient for the engine's service (configured or embedded; embedded ones respawn and
-    log to log_stream, the stream of the engine's own log)."""
+    """A ServiceClient for the engine's service (configured or embedded; embedded ones respawn,
+    counted in respawns, and log to log_stream, the stream of the engine's own log)."""
     url = ensure_service(settings, engine_id, log_stream=log_stream)
-    hook = None if settings.service_url else respawner(settings, engine_id, log_stream)
+    hook = None if settings.service_url else Respawner(settings, engine_id, log_stream, respawns)
     return ServiceClient(url, settings.auth_token, on_unavailable=hook, **client_kwargs)

@@ -460,10 +460,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # First, before any thread exists: the watch must see the spawner as this process's parent,
     # and the fork of detach() and the CPU set must come before threads.
+    try:
+        cpus = parse_cpus(args.cpus)
+    except ValueError as exc:
+        print(f"kvtier: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    run_on(cpus)  # before the fork of detach(), so both processes leave the core vLLM computes on
     parent = ParentWatch(args.parent_pid) if args.parent_pid else None
     ready_fd = detach() if args.detach and parent is not None and parent.can_detach else -1
     try:
-        run_on(parse_cpus(args.cpus))
         settings = load_settings()
         options = options_from_args(args, settings)
         options = dataclasses.replace(options, parent=parent, ready_fd=ready_fd)

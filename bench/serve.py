@@ -116,7 +116,7 @@ def server_argv(model: str, port: int, workload: Workload, num_blocks: int, bloc
     ]  # fmt: skip
 
 
-def _environment(work: Path) -> dict[str, str]:
+def environment(work: Path) -> dict[str, str]:
     """The servers' and the client's environment: kvtier on its defaults, the same thread layout and
     heap behaviour in every run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -128,13 +128,16 @@ def _environment(work: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_server(name: str, argv: list[str], port: int, work: Path) -> Iterator[Server]:
-    """Start the server, wait until it answers /health, stop its process group on every path."""
+def running_server(
+    name: str, argv: list[str], port: int, work: Path, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """Start the server (in env, default: the benchmark's), wait until it answers /health, stop its
+    process group on every path."""
     log_path = work / f"vllm-{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=_environment(work), start_new_session=True,
+            env=env if env is not None else environment(work), start_new_session=True,
         )  # fmt: skip
     server = Server(name, port, proc, log_path)
     try:
@@ -212,7 +215,7 @@ def run_client(
     with open(log_path, "wb") as log:
         done = subprocess.run(
             client_argv(server.port, model, workload, result, prompts), stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_environment(work),
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment(work),
             timeout=CLIENT_TIMEOUT_S, check=False,
         )  # fmt: skip
     tail = log_path.read_text(errors="replace")[-3000:]
@@ -299,14 +302,14 @@ def _setup(plan: Plan, sizing: KVSizing) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ output
-def save(section: dict[str, Any], path: Path) -> None:
-    """Put section under "serve" in the JSON at path, keeping its other keys (atomic replace)."""
+def save(section: dict[str, Any], path: Path, name: str = SECTION) -> None:
+    """Put section under name in the JSON at path, keeping its other keys (atomic replace)."""
     data: dict[str, Any] = {}
     if path.exists():
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path} does not hold a JSON object")
-    data[SECTION] = section
+    data[name] = section
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -365,7 +368,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _workdir(keep: Path | None) -> Iterator[Path]:
+def workdir(keep: Path | None) -> Iterator[Path]:
+    """DIR kept when given, else a temporary directory removed at the end."""
     if keep is None:
         with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
             yield Path(tmp)
@@ -383,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     workload, shape = (QUICK, QUICK_SHAPE) if args.quick else (Workload(), SHAPE)
     plan = Plan(workload, shape, args.runs, args.quick)
     with (
-        _workdir(args.keep) as work,
+        workdir(args.keep) as work,
         step(f"kvtier bench serve: {args.runs} x {len(RUNS)} runs of {workload.num_prompts} requests"),
     ):
         section = measure(plan, work)

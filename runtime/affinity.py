@@ -4,7 +4,10 @@ vLLM's CPU worker binds the thread that runs the model (and every thread and pro
 afterwards) to the cores it computes on. A kvtier thread or service started from there would inherit
 that binding and wait behind the model's OpenMP threads for every reply, so kvtier's own threads and
 its embedded service run on the CPUs the engine was started with: the calling thread's set widened by
-its parent process's, which still honours a ``taskset`` or cpuset applied to the whole server.
+its parent process's, which still honours a ``taskset`` or cpuset applied to the whole server. A
+process kvtier starts is started from a thread on those CPUs (``call_on``) and without OpenMP's
+placement settings (``unbound_environ``): vLLM's CPU build preloads an OpenMP runtime into every
+process started with its environment, which would bind the child to the model's core at exec.
 
 Work that can wait runs at a lower priority. A save's copy into the arena runs at nice +10
 (``deprioritize``): at normal priority it takes cores from the prompt whose first token is waiting,
@@ -18,6 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+# What binds a process's threads to cores at start: OpenMP's placement settings, honoured by an OpenMP
+# runtime that vLLM's CPU build preloads (LD_PRELOAD) into every process started with its environment.
+OPENMP_PLACEMENT_VARS = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
 def engine_cpus() -> frozenset[int]:
@@ -64,6 +76,58 @@ def run_when_idle() -> bool:
     except (AttributeError, OSError):
         return False
     return True
+
+
+def unbound_environ(env: Mapping[str, str]) -> dict[str, str]:
+    """env without what would bind a child process to the model's cores before its first line runs:
+    OpenMP's placement variables, and OpenMP runtimes in LD_PRELOAD (other preloads are kept)."""
+    out = {k: v for k, v in env.items() if k not in OPENMP_PLACEMENT_VARS}
+    preload = [
+        lib
+        for lib in out.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+        if lib and not os.path.basename(lib).startswith(OPENMP_RUNTIMES)
+    ]
+    if preload:
+        out["LD_PRELOAD"] = ":".join(preload)
+    else:
+        out.pop("LD_PRELOAD", None)
+    return out
+
+
+def normal_priority() -> bool:
+    """Move the calling thread from SCHED_IDLE or SCHED_BATCH back to the normal policy; False where
+    the platform refuses. Its nice value stays: raising priority needs a privilege."""
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def call_on(cpus: frozenset[int] | set[int], fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on a new thread that runs on cpus at the normal policy, waited for.
+
+    A process started there inherits that thread's CPU set and policy, not those of the caller's
+    thread (which vLLM may have bound to the core its model runs on). Its result or exception is the
+    caller's."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        run_on(cpus)
+        normal_priority()
+        try:
+            outcome.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="kvtier-spawn", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def format_cpus(cpus: frozenset[int] | set[int]) -> str:

@@ -28,6 +28,7 @@ builds and closes them in close(); an injected client stays the caller's to clos
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -360,7 +361,9 @@ class RedisTier:
         async def ping() -> bool:
             if isinstance(self._client, RedisCluster):
                 await self._timed(self._client.initialize())
-            return bool(await self._timed(self._client.ping()))
+            # redis-py 7 types ping() as "Awaitable[bool] | bool" (its sync and async clients share it).
+            pong = self._client.ping()
+            return bool(await self._timed(pong) if inspect.isawaitable(pong) else pong)
 
         await self._guarded(ping, False)
         # TLS and cluster URLs take redis-py's path, which moves a chunk slower: say which one runs.

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 
 from kvtier.app.embedded import paths_for
-from kvtier.runtime.affinity import NICE_STEPS, deprioritize, format_cpus, parse_cpus
+from kvtier.runtime.affinity import (
+    NICE_STEPS,
+    call_on,
+    deprioritize,
+    format_cpus,
+    parse_cpus,
+    unbound_environ,
+)
 from tests.app import ROOT, python_env, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
@@ -89,3 +98,71 @@ def test_deprioritize_lowers_the_calling_thread_only() -> None:
     thread.join(30)
     assert seen == [(True, min(19, mine + NICE_STEPS))]
     assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the caller's thread kept its priority
+
+
+def test_unbound_environ_drops_openmp_placement_and_preloaded_openmp_runtimes() -> None:
+    env = {
+        "OMP_PLACES": "{0}",
+        "OMP_PROC_BIND": "true",
+        "GOMP_CPU_AFFINITY": "0",
+        "KMP_AFFINITY": "granularity=fine,explicit,proclist=[0]",
+        "OMP_NUM_THREADS": "1",
+        "LD_PRELOAD": "/v/libs/libtcmalloc_minimal.so.4:/t/lib/libgomp.so.1 /x/libiomp5.so",
+        "PATH": "/bin",
+    }
+    assert unbound_environ(env) == {
+        "OMP_NUM_THREADS": "1",
+        "LD_PRELOAD": "/v/libs/libtcmalloc_minimal.so.4",
+        "PATH": "/bin",
+    }
+    assert "LD_PRELOAD" not in unbound_environ({"LD_PRELOAD": "/t/lib/libgomp.so.1"})
+    assert env["OMP_PLACES"] == "{0}"  # the caller's mapping is left as it was
+
+
+def test_call_on_returns_and_raises_what_the_call_does() -> None:
+    cpus = frozenset(os.sched_getaffinity(0))
+    assert call_on(cpus, lambda: sorted(os.sched_getaffinity(0))) == sorted(cpus)
+    with pytest.raises(KeyError, match="boom"):
+        call_on(cpus, {}.__getitem__, "boom")
+
+
+# vLLM's CPU build runs its worker with OpenMP's placement in the environment and PyTorch's libgomp in
+# LD_PRELOAD: a process started with that environment is bound to the worker's core at exec.
+FIRST_LINE = "import os, sys; print(sorted(os.sched_getaffinity(0)), flush=True)"
+
+
+def _libgomp() -> str:
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.origin, "the test extra installs torch (the cpu extra)"
+    found = sorted(Path(spec.origin).parent.glob("lib/libgomp*.so*")) + sorted(
+        Path(spec.origin).parents[1].glob("torch.libs/libgomp*.so*")
+    )
+    assert found, "PyTorch ships its libgomp in torch/lib or torch.libs"
+    return str(found[0])
+
+
+def test_a_process_started_through_call_on_leaves_the_spawning_threads_core() -> None:
+    wide = frozenset(os.sched_getaffinity(0))
+    if len(wide) < 2:
+        pytest.skip("needs two CPUs to tell a bound thread from a free one")
+    core = min(wide)
+    bound_env = dict(python_env(), OMP_PLACES=f"{{{core}}}", OMP_PROC_BIND="true", LD_PRELOAD=_libgomp())
+    seen: dict[str, list[int]] = {}
+
+    def engine_thread() -> None:  # bound to one core, as vLLM's worker thread is
+        os.sched_setaffinity(0, {core})
+
+        def start(env: dict[str, str]) -> list[int]:
+            out = subprocess.run([sys.executable, "-c", FIRST_LINE], env=env, capture_output=True, text=True)
+            return json.loads(out.stdout)
+
+        seen["plain"] = start(bound_env)  # the negative control: what the service got before
+        seen["widened_thread_only"] = call_on(wide, start, bound_env)
+        seen["kvtier"] = call_on(wide, start, unbound_environ(bound_env))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen["plain"] == [core]
+    assert seen["widened_thread_only"] == [core]  # the preloaded OpenMP runtime binds it at exec
+    assert seen["kvtier"] == sorted(wide)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from kvtier.app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
 from kvtier.app.embedded import (
+    Respawner,
     _locked,
     ensure_service,
     paths_for,
-    respawner,
     service_env,
     sweep_dead,
     sweep_locks,
@@ -96,7 +96,7 @@ def test_spawn_discovery_and_restart_after_kill9(tmp_path: Path) -> None:
         other.communicate("", timeout=10)
         assert (found["url"], found["pid"]) == (url, first["pid"])
         client = ServiceClient(
-            url, on_unavailable=respawner(settings, engine_id), backoff=ConstantBackoff(0.05)
+            url, on_unavailable=(respawn := Respawner(settings, engine_id)), backoff=ConstantBackoff(0.05)
         )
         with client:
             hello = client.hello(SPEC).result(5)
@@ -110,6 +110,57 @@ def test_spawn_discovery_and_restart_after_kill9(tmp_path: Path) -> None:
             assert not Path(first["arena"]).exists()  # the dead service's arena was removed
             keys = hashes(2)
             assert client.lookup(hello.namespace, keys, "l").result(5).result.num_hit == 0
+            assert (respawn.counts.started, respawn.counts.failed) == (1, 0)
+    finally:
+        _stop_service(state)
+    assert not sock.exists() and not state.exists()
+
+
+def _services_of(sock: Path) -> list[int]:
+    """Live processes started to serve the socket at sock (the spawned one and the one it forks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"kvtier.app.server" in cmdline and str(sock).encode() in cmdline and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_respawn_that_does_not_serve_in_time_is_killed_counted_and_tried_again(tmp_path: Path) -> None:
+    """No service can serve within 1 ms: each such respawn is killed whole (the process spawned and the
+    service it forked), counted, and the next one waits twice as long; with a real timeout it serves."""
+    settings = settings_for(tmp_path)
+    engine_id = f"engine-{uuid.uuid4()}"
+    sock, lock, state = paths_for(engine_id)
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    respawn = Respawner(
+        settings, engine_id, timeout=0.001, backoff=(1.0, 3.0), clock=lambda: now[0], sleep=sleep
+    )
+    try:
+        for _ in range(3):
+            respawn()
+            assert not _services_of(sock)  # killed, not left starting in the background
+        assert (respawn.counts.started, respawn.counts.failed) == (0, 3)
+        assert slept == [2.0, 3.0]  # 1 s doubled per failure in a row, capped at 3 s
+        respawn.timeout = 30.0
+        respawn()
+        assert slept == [2.0, 3.0, 3.0]
+        assert (respawn.counts.started, respawn.counts.failed) == (1, 3)
+        with ServiceClient(f"unix://{sock}") as client:
+            assert client.health().result(5).serving
+        respawn()  # the service answers: nothing to do, nothing counted
+        assert (respawn.counts.started, respawn.counts.failed) == (1, 3)
+        assert slept == [2.0, 3.0, 3.0, 1.0]  # a success resets the wait to its first value
+        assert not lock.exists()
     finally:
         _stop_service(state)
     assert not sock.exists() and not state.exists()

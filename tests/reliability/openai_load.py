@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +101,12 @@ def server_argv(model: str, port: int, extra: Sequence[str] = ()) -> list[str]:
 
 
 def launch(
-    model: str, workdir: Path, name: str, extra: Sequence[str] = (), kv_config: dict | None = None
+    model: str,
+    workdir: Path,
+    name: str,
+    extra: Sequence[str] = (),
+    kv_config: dict | None = None,
+    env_overrides: Mapping[str, str] | None = None,
 ) -> OpenAIServer:
     """Start a server (not waiting for it); stdout and stderr go to workdir/vllm-<name>.log."""
     port = free_port()
@@ -114,6 +119,7 @@ def launch(
     # servers run the same OpenMP layout, which bf16 results depend on (see bench/demo.py).
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default layout
+    env.update(env_overrides or {})
     log_path = workdir / f"vllm-{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
