@@ -20,8 +20,10 @@ Each check prints ``PASS name``, ``FAIL name: why`` or ``SKIP name: why``; the e
 any failed. Without CUDA the CUDA-only checks are skipped and the layout round trips run on the CPU.
 
 Checks, in order (``checks()``):
-  roundtrip <case>       every KVCacheLayout, kernel-block split and MLA: saves and loads of ascending,
-                         descending, scattered and partial chunks, byte for byte (any device)
+  roundtrip <case>       every KVCacheLayout, kernel-block split and MLA, fp8 views in blocks of 64,
+                         DeepSeek's padded fp8 MLA page, many heads (a plane per head): saves and
+                         loads of ascending, descending, scattered and partial chunks, byte for byte
+                         (any device)
   save_after_compute     a save sees what the current stream wrote before it (behind a _sleep)
   load_before_read       a load() is in place for what the current stream reads after it
   load_layers_before_read  the same for load_layers() with wait_layer(i) before each layer's read
@@ -30,11 +32,22 @@ Checks, in order (``checks()``):
   offsets_past_4gib      blocks whose bytes lie past 2**31 and 2**32 in a > 4 GiB KV buffer
   pin_unpin_pin          pin, unpin, pin again, a refused second pin: no CUDA error left behind
   failed_save_batch      a batch with a bad block id reports an error with the copier's streams idle
+  load_pieces_ring_wrap  chunks of one-layer pieces, several per call: the staging ring wraps inside
+                         a layer-by-layer load and a save batch, every byte in place
+  misaligned_ids_timed   scattered chunks of odd length in one batch compile no kernel variant (and
+                         take about as long as the same batch again)
   worker_save            WorkerSide (vLLM's metadata reduced to what it reads): a saved chunk, exact
   worker_load            a CPU-tier hit in its blocks once each layer's wait returned; lease released
   worker_failed_load     a hit whose slot is gone reported as exactly its blocks
   worker_preemption_fence  deferred saves ended once handle_preemptions returns
   worker_full_graph_replay a full CUDA graph replayed after start_load_kv reads the loaded bytes
+  worker_v2_drafter      V2's hook order: a FULL-graph drafter after finish_forward reads loaded bytes,
+                         and its unwaited layer fails no load (any device)
+  grouped_copier         a hybrid engine's copier (two KV cache groups) saves and loads exactly (any device)
+  arena_pinned           the arena is really pinned (CUDA says so of its memory), at start-up and on the
+                         pin thread, which runs on the KV cache's device
+  rank_on_device_1       with two GPUs, a process whose KV cache is on cuda:1: saves, loads, the save
+                         waiter and the pin thread leave no CUDA context on device 0 (skipped on one GPU)
 """
 
 from __future__ import annotations

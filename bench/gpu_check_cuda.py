@@ -28,6 +28,7 @@ from kvtier.bench.gpu_check_layouts import (
     random_bytes,
 )
 from kvtier.bench.kv_views import kv_cache_views
+from kvtier.connector import staging
 from kvtier.connector.copy import BlockCopier
 from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
 
@@ -262,16 +263,16 @@ def check_pin_unpin_pin(device: torch.device) -> None:
     view = memoryview(mapping)
     pinned: list[int] = []
     try:
-        pinned = pin_host_buffer(view)
+        pinned = pin_host_buffer(view, device, 1 << 20)
         expect(bool(pinned), "CUDA refused to pin a fresh mapping")
-        unpin_host_buffer(pinned)
-        pinned = pin_host_buffer(view)
+        unpin_host_buffer(pinned, device)
+        pinned = pin_host_buffer(view, device, 1 << 20)
         expect(bool(pinned), "CUDA refused to pin a mapping pinned and unpinned before")
-        expect(not pin_host_buffer(view), "CUDA pinned the same memory twice")
+        expect(not pin_host_buffer(view, device, 1 << 20), "CUDA pinned the same memory twice")
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)  # raises a CUDA error a refused pin left behind
     finally:
-        unpin_host_buffer(pinned)
+        unpin_host_buffer(pinned, device)
         view.release()
         mapping.close()
     torch.zeros(1, device=device)
@@ -335,6 +336,93 @@ def check_failed_save_batch(device: torch.device) -> None:
         copier.close()
 
 
+def check_load_pieces_ring_wrap(device: torch.device) -> None:
+    """Chunks of several pieces (one layer each), loaded layer by layer and saved in one call each,
+    so the staging ring wraps inside the call: every byte lands, read as the forward reads it."""
+    raw, views, table = _kv(device)
+    saved = staging.PIECE_BYTES
+    staging.PIECE_BYTES = 1  # one layer a piece: NUM_LAYERS pieces a chunk, RING buffers a lane
+    try:
+        copier = BlockCopier(views, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    finally:
+        staging.PIECE_BYTES = saved
+    ids = [[9, 3, 12, 5], [0, 1, 2, 4], [15, 14, 13, 11]]
+    try:
+        expect(copier._gpu is not None and copier._gpu.layers_per_piece == 1, "pieces of one layer")
+        with host_slots(copier, len(ids)) as slots:
+            for seed, slot in enumerate(slots, start=1):
+                slot.copy_(random_bytes(tuple(slot.shape), torch.device("cpu"), seed))
+            loads = copier.load_layers([(slot, 0, chunk) for slot, chunk in zip(slots, ids, strict=True)])
+            read = []
+            for layer in range(NUM_LAYERS):
+                loads.wait_layer(layer)
+                read.append([raw[table[layer, b]] for chunk in ids for b in chunk])
+            expect(loads.finish() is None, "load_layers(...).finish() reported an error")
+            torch.cuda.synchronize(device)
+            for layer in range(NUM_LAYERS):
+                want = torch.cat([slot[layer, : len(chunk)] for slot, chunk in zip(slots, ids, strict=True)])
+                got = torch.stack([page.view(torch.uint8) for page in read[layer]]).cpu()
+                expect(torch.equal(got, want), f"layer {layer}: a piece landed in the wrong blocks")
+            for slot in slots:
+                slot.zero_()
+            ended: list[BaseException | None] = []
+            copier.save_batch([(slot, chunk) for slot, chunk in zip(slots, ids, strict=True)], ended.append)
+            copier.wait()
+            expect(ended == [None], f"the save batch reported {ended}")
+            for slot, chunk in zip(slots, ids, strict=True):
+                check_saved(slot, raw, table, chunk, "save of several pieces")
+    finally:
+        copier.close()
+
+
+def _kernel_variants() -> int | None:
+    """Variants of the copy kernel Triton has compiled in this process (None where this Triton keeps
+    them where this does not look)."""
+    from kvtier.connector.cuda_kernels import _stage_blocks
+
+    try:
+        caches = getattr(_stage_blocks, "device_caches", None)
+        if caches is not None:
+            return sum(len(entry[0]) for entry in caches.values())
+        return sum(len(cache) for cache in _stage_blocks.cache.values())
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
+def check_misaligned_ids_timed(device: torch.device) -> None:
+    """Scattered chunks of odd length in one batch (the second's ids would start 8 bytes into a
+    16-byte line) compile no kernel inside the call: Triton's variants stay those the warm-up
+    compiled, and the call takes about as long as the same call again."""
+    raw, views, table = _kv(device)
+    copier = BlockCopier(views, NUM_BLOCKS, BLOCKS_PER_CHUNK)
+    ids = [[9, 3, 12], [5, 0, 7], [14, 2, 10]]  # three ids each: starts 0, 3, 6 unpadded
+    variants = _kernel_variants()
+    try:
+        with host_slots(copier, len(ids)) as slots:
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                ended: list[BaseException | None] = []
+                copier.save_batch(
+                    [(slot, chunk) for slot, chunk in zip(slots, ids, strict=True)], ended.append
+                )
+                copier.wait()
+                times.append(time.perf_counter() - start)
+                expect(ended == [None], f"the save batch reported {ended}")
+            for slot, chunk in zip(slots, ids, strict=True):
+                check_saved(slot, raw, table, chunk, "save of odd-length scattered chunks")
+    finally:
+        copier.close()
+    after = _kernel_variants()
+    expect(variants == after, f"Triton compiled {after} variants of the kernel, the warm-up {variants}")
+    # A Triton compile takes hundreds of milliseconds at least; a batch of three small chunks, less
+    # than one.
+    expect(
+        times[0] < max(0.2, 20 * times[1]),
+        f"the first batch took {times[0] * 1000:.1f} ms, the next {times[1] * 1000:.1f} ms: a compile",
+    )
+
+
 def cuda_checks() -> list[tuple[str, Callable[[torch.device], None]]]:
     """The CUDA-only checks, named as gpu_check prints them."""
     return [
@@ -346,4 +434,6 @@ def cuda_checks() -> list[tuple[str, Callable[[torch.device], None]]]:
         ("offsets_past_4gib", check_offsets_past_4gib),
         ("pin_unpin_pin", check_pin_unpin_pin),
         ("failed_save_batch", check_failed_save_batch),
+        ("load_pieces_ring_wrap", check_load_pieces_ring_wrap),
+        ("misaligned_ids_timed", check_misaligned_ids_timed),
     ]

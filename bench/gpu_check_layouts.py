@@ -48,31 +48,50 @@ def expect(ok: bool, why: str) -> None:
         raise CheckFailed(why)
 
 
+# An fp8 MLA page as DeepSeek's sparse attention keeps it: 656 bytes a token (the latent in fp8, its
+# scales, the rope part in bf16), padded to a multiple of 576 bytes (41,984 of 42,048 at block 64).
+FP8_MLA_TOKEN_BYTES, FP8_MLA_ALIGNMENT = 656, 576
+
+
 @dataclass(frozen=True)
 class Case:
-    """One way vLLM lays out a model's KV: full attention or MLA, a layout, a kernel block size."""
+    """One way vLLM lays out a model's KV: full attention or MLA, a layout, a kernel block size, the
+    KV dtype (fp8 is kept in one-byte elements), the KV heads, and MLA's page alignment."""
 
     mla: bool
     layout: str
     block_size: int = 16
     kernel_block_size: int | None = None
+    fp8: bool = False
+    heads: int = HEADS
+    padded: bool = False  # MLA: DeepSeek's fp8 page, padded to FP8_MLA_ALIGNMENT
 
     @property
     def name(self) -> str:
         split = f"-kernel{self.kernel_block_size}" if self.kernel_block_size else ""
-        return f"{'mla' if self.mla else 'full'}-{self.layout}{split}"
+        more = f"-block{self.block_size}" if self.block_size != 16 else ""
+        more += "-fp8" if self.fp8 else ""
+        more += f"-{self.heads}heads" if self.heads != HEADS and not self.mla else ""
+        more += "-padded" if self.padded else ""
+        return f"{'mla' if self.mla else 'full'}-{self.layout}{split}{more}"
 
     def build(
         self, device: torch.device, num_blocks: int = NUM_BLOCKS
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """vLLM's raw int8 buffer and per-layer views for this case, on ``device``."""
+        dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        if self.padded:
+            return mla_kv_cache_views(
+                NUM_LAYERS, num_blocks, self.block_size, FP8_MLA_TOKEN_BYTES, torch.uint8, self.layout,
+                device, alignment=FP8_MLA_ALIGNMENT,
+            )  # fmt: skip
         if self.mla:
             return mla_kv_cache_views(
-                NUM_LAYERS, num_blocks, self.block_size, MLA_HEAD_SIZE, torch.bfloat16, self.layout,
+                NUM_LAYERS, num_blocks, self.block_size, MLA_HEAD_SIZE, dtype, self.layout,
                 device, self.kernel_block_size,
             )  # fmt: skip
         return kv_cache_views(
-            NUM_LAYERS, num_blocks, self.block_size, HEADS, HEAD_SIZE, torch.bfloat16, self.layout,
+            NUM_LAYERS, num_blocks, self.block_size, self.heads, HEAD_SIZE, dtype, self.layout,
             device, self.kernel_block_size,
         )  # fmt: skip
 
@@ -83,6 +102,14 @@ CASES = [
     Case(False, "LBHNC", 32, 16),
     Case(False, "LBNHC", 32, 16),
     *(Case(True, layout) for layout in LAYOUTS),
+    # What GPU engines run beyond the defaults: fp8 KV in blocks of 64, DeepSeek's padded fp8 MLA
+    # page, and many KV heads where each head's rows lie apart (one plane per head).
+    Case(False, "LBNHC", 64, fp8=True),
+    Case(True, "LBNHC", 64, fp8=True),
+    Case(True, "LBNHC", 64, padded=True),
+    Case(True, "BLHNC", 64, padded=True),
+    Case(False, "LHBNC", heads=8),
+    Case(False, "BHLNC", 64, fp8=True, heads=8),
 ]
 
 
@@ -123,12 +150,12 @@ def host_slots(copier: BlockCopier, count: int) -> Iterator[list[torch.Tensor]]:
     under a tensor."""
     buf = bytearray(count * copier.chunk_bytes)
     view = memoryview(buf)
-    pinned = pin_host_buffer(view)
+    pinned = pin_host_buffer(view, copier.device, copier.chunk_bytes)
     try:
         size = copier.chunk_bytes
         yield [copier.slot_view(view[i * size : (i + 1) * size]) for i in range(count)]
     finally:
-        unpin_host_buffer(pinned)
+        unpin_host_buffer(pinned, copier.device)
 
 
 def check_saved(

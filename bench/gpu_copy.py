@@ -86,7 +86,7 @@ def measure(chunks: int = 16, rounds: int = 7, layout: str = DEFAULT_LAYOUT) -> 
         view = memoryview(mapping)
         host = torch.frombuffer(view, dtype=torch.uint8)
         host.fill_(1)  # touched, as the arena's pages are
-        pinned = pin_host_buffer(view)
+        pinned = pin_host_buffer(view, copier.device, copier.chunk_bytes)
         result = _run(copier, loader, saved, loaded, host, chunks, rounds)
         result["arena_pinned"] = bool(pinned)
         result["layout"] = layout
@@ -94,7 +94,7 @@ def measure(chunks: int = 16, rounds: int = 7, layout: str = DEFAULT_LAYOUT) -> 
     finally:
         copier.close()
         loader.close()
-        unpin_host_buffer(pinned)
+        unpin_host_buffer(pinned, copier.device)
         if mapping is not None:
             host = view = None  # type: ignore[assignment]
             mapping.close()

@@ -1,12 +1,13 @@
 """vLLM's per-layer KV cache views, rebuilt with torch alone, for checks and benchmarks where vLLM is not.
 
 Replicates what vLLM 0.32's ``allocate_kv_cache`` and ``create_kv_cache_views`` hand a connector for
-one group of same-shaped layers with unpadded pages: one flat int8 buffer, and per layer a strided
-``[B, H, N, C]`` view of it in the spec's dtype. Layer-outermost layouts give each layer a region of
-its own; block-outermost ones pack every layer's page into each block; LHBNC and BHLNC store each
-head's rows of a block apart. With a kernel block size below the block size, each block is split into
-kernel blocks and the view's first dimension grows by that ratio. tests/connector/test_kv_layouts.py
-checks these views against vLLM's own.
+one group of same-shaped layers, with pages padded to an alignment where asked (MLA's
+``alignment``; only layouts whose page is the innermost three dimensions pad): one flat int8
+buffer, and per layer a strided ``[B, H, N, C]`` view of it in the spec's dtype. Layer-outermost
+layouts give each layer a region of its own; block-outermost ones pack every layer's page into each
+block; LHBNC and BHLNC store each head's rows of a block apart. With a kernel block size below the
+block size, each block is split into kernel blocks and the view's first dimension grows by that
+ratio. tests/connector/test_kv_layouts.py checks these views against vLLM's own.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ def mla_kv_cache_views(
     layout_name: str,
     device: torch.device | str,
     kernel_block_size: int | None = None,
+    alignment: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """MLA (one latent head of ``head_size`` elements per token): the raw buffer and each layer's view."""
+    """MLA (one latent head of ``head_size`` elements per token): the raw buffer and each layer's
+    view; with ``alignment``, each page padded to a multiple of it, as vLLM pads DeepSeek's."""
     content = head_size * dtype.itemsize
+    page = block_size * content
+    padded = -(-page // alignment) * alignment if alignment else page
     return _views(
-        num_layers, num_blocks, block_size, 1, content, dtype, layout_name, device, kernel_block_size
+        num_layers, num_blocks, block_size, 1, content, dtype, layout_name, device, kernel_block_size, padded
     )
 
 
@@ -73,14 +78,27 @@ def _views(
     layout_name: str,
     device: torch.device | str,
     kernel_block_size: int | None,
+    padded_page: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     order = LAYOUTS[layout_name]
     page = num_heads * block_size * content
-    bytes_per_block = num_layers * page
+    padded = padded_page or page
+    if padded != page and sorted(order[:2]) != [0, _B]:
+        raise ValueError(f"{layout_name} does not hold a page as its innermost dimensions: it cannot pad it")
+    bytes_per_block = num_layers * padded
     # The KVCacheTensor vLLM's config chooses: block-outermost layouts pack all layers into a block.
-    packed = bytes_per_block if order[0] == _B else None
     shape = (num_layers, num_blocks, num_heads, block_size, content)
-    layer_stride, block_stride = _strides(shape, order, (None, packed, None, None, None))[:2]
+    if order[0] == _B:
+        fixed: _Fixed = (padded if padded != page else None, bytes_per_block, None, None, None)
+    else:
+        fixed = (
+            padded * num_blocks if padded != page else None,
+            padded if padded != page else None,
+            None,
+            None,
+            None,
+        )
+    layer_stride, block_stride = _strides(shape, order, fixed)[:2]
     kernel = kernel_block_size or block_size
     if block_size % kernel:
         raise ValueError(f"kernel block size {kernel} does not divide block size {block_size}")

@@ -42,3 +42,19 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> list[int]:
     if ids and (min(ids) < 0 or max(ids) >= num_blocks):
         raise ValueError(f"block id out of range 0..{num_blocks - 1}: {min(ids)}..{max(ids)}")
     return ids
+
+
+# int64 ids per 16 bytes: Triton specializes a kernel on whether each pointer argument is 16-byte
+# aligned, so a chunk's ids that start 8 bytes into a line would compile a variant of their own.
+IDS_ALIGN = 2
+
+
+def aligned_starts(lengths: Sequence[int], align: int = IDS_ALIGN) -> tuple[list[int], int]:
+    """Where each chunk's ids start in one buffer of them, every start a multiple of ``align``
+    (padding between chunks), and the buffer's length."""
+    starts: list[int] = []
+    at = 0
+    for n in lengths:
+        starts.append(at)
+        at += -(-n // align) * align
+    return starts, at

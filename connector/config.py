@@ -250,6 +250,13 @@ def window_reach(kv_spec: Any) -> int | None:
     return int(kv_spec.sliding_window) - 1 + int(getattr(kv_spec, "extra_retained_tokens", 0) or 0)
 
 
+def real_page_bytes(kv_spec: Any) -> int:
+    """Bytes of one block of one layer as vLLM's views hold them: the page without the padding vLLM
+    may leave after it (``page_size_bytes`` includes it, e.g. MLA's alignment); kvtier copies and
+    stores exactly these bytes."""
+    return int(getattr(kv_spec, "real_page_size_bytes", kv_spec.page_size_bytes))
+
+
 def check_groups(groups: Any, block_size: int) -> None:
     """Raise UnsupportedEngine unless every KV cache group is served and pages alike (one chunk holds
     every group's blocks of the same tokens)."""
@@ -258,7 +265,7 @@ def check_groups(groups: Any, block_size: int) -> None:
     for group in groups:
         check_kv_spec(group.kv_cache_spec)
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
-    pages = {int(g.kv_cache_spec.page_size_bytes) for g in groups}
+    pages = {real_page_bytes(g.kv_cache_spec) for g in groups}
     if sizes != {block_size} or len(pages) != 1:
         raise UnsupportedEngine(
             f"kvtier serves KV cache groups of one block size and page size; this engine's groups "
@@ -287,6 +294,34 @@ def check_prefix_reuse(vllm_config: Any, kv_spec: Any) -> None:
     )
 
 
+def _v2_model_runner(vllm_config: Any) -> bool:
+    """Whether vLLM runs its V2 model runner (its GPU default); True where the config cannot say."""
+    try:
+        return bool(getattr(vllm_config, "use_v2_model_runner", True))
+    except Exception:  # the property may raise on a config it finds inconsistent
+        return True
+
+
+def check_block_writes(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Raise UnsupportedEngine where vLLM writes reused blocks before kvtier can fence its saves.
+
+    vLLM's V2 model runner zeroes new blocks (engines whose ``needs_kv_cache_zeroing``: state spaces,
+    KV caches of mixed precision) and queues copy-on-write copies before it calls
+    ``handle_preemptions``, so a deferred save still reading a preempted request's block could
+    commit what those writes left there. The V1 runner calls it first. Copy-on-write copies follow
+    local prefix hits that end inside a block, which only state spaces and hash blocks smaller than
+    a block make; kvtier refuses both (``check_kv_spec``, ``hash_block_size``).
+    """
+    if not bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)):
+        return
+    if _v2_model_runner(vllm_config):
+        raise UnsupportedEngine(
+            "kvtier does not serve KV caches vLLM zeroes before each step (needs_kv_cache_zeroing: "
+            "state spaces or mixed precisions) under vLLM's V2 model runner, which zeroes them "
+            "before kvtier can fence its saves; VLLM_USE_V2_MODEL_RUNNER=0 runs the V1 runner"
+        )
+
+
 def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -> ConnectorConfig:
     """Validate settings and derive geometry and namespace; raises SettingsError or UnsupportedEngine."""
     kv_transfer = vllm_config.kv_transfer_config
@@ -310,6 +345,7 @@ def build_config(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -
         )
     for group in groups:
         check_prefix_reuse(vllm_config, group.kv_cache_spec)
+    check_block_writes(vllm_config, kv_cache_config)
     check_parallel(vllm_config.parallel_config)
     tp_rank, pp_rank = _tp_pp_rank(role_is_worker)
     replicated = all(tp_replicated(g.kv_cache_spec) for g in groups)
@@ -368,7 +404,7 @@ def _namespace_spec(
         block_size=int(vllm_config.cache_config.block_size),
         chunk_size=chunk_size,
         num_layers=sum(len(g.layer_names) for g in groups),
-        page_bytes=int(kv_spec.page_size_bytes),
+        page_bytes=real_page_bytes(kv_spec),
         tp_rank=tp_rank,
         tp_size=int(parallel.tensor_parallel_size),
         pp_rank=pp_rank,

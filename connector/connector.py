@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.logger import init_logger
 
 from kvtier.app.client import ServiceClient
+from kvtier.app.embedded import RespawnCounts
 from kvtier.app.settings import KVTierSettings, load_settings
 from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig, UnsupportedEngine, build_config
@@ -37,7 +38,7 @@ from kvtier.connector.logs import configure as configure_logs
 from kvtier.connector.logs import vllm_log_stream
 from kvtier.connector.metadata import KVTierMetadata
 from kvtier.connector.scheduler import SchedulerSide
-from kvtier.connector.stats import IDLE_SIDES, STATE_KEYS, SideState, merge_counts
+from kvtier.connector.stats import IDLE_SIDES, STATE_KEYS, RespawnReport, SideState, merge_counts
 from kvtier.connector.worker import WorkerSide
 from kvtier.storage.base import Tier
 
@@ -89,12 +90,14 @@ def _hit_source(tier: Tier) -> Any:
     )
 
 
-def _connect(cfg: ConnectorConfig) -> ServiceClient:
+def _connect(cfg: ConnectorConfig, respawns: RespawnCounts) -> ServiceClient:
     from kvtier.app.embedded import connect
 
-    # service_url set: that service; empty: the engine's private service, restarted if it dies.
-    # An embedded service writes its lines where vLLM writes its own.
-    return connect(cfg.settings, cfg.engine_id, name="kvtier-client", log_stream=vllm_log_stream())
+    # service_url set: that service; empty: the engine's private service, restarted if it dies
+    # (counted in respawns). An embedded service writes its lines where vLLM writes its own.
+    return connect(
+        cfg.settings, cfg.engine_id, name="kvtier-client", log_stream=vllm_log_stream(), respawns=respawns
+    )
 
 
 def _first_answer(client: ServiceClient) -> str:
@@ -138,6 +141,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self._idle = ""  # why this side stays idle for good; '' while it serves or may serve
         self._state = SideState()
+        self._respawns = RespawnReport(RespawnCounts())
         self._said_serving = False  # what the log said last: serving, or idle
         try:
             cfg = build_config(vllm_config, kv_cache_config, role_is_worker=is_worker)
@@ -153,7 +157,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 cfg.failure_policy,
             )
         try:
-            self._client = _connect(cfg)
+            self._client = _connect(cfg, self._respawns.counts)
         except Exception as exc:  # best effort: run without the cache rather than not at all
             faults.caught(exc, "starting the connector")
             self._stay_idle(f"cannot reach or start the kvtier service: {exc}")
@@ -306,11 +310,42 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self._worker.register_kv_caches(kv_caches)
         except Exception as exc:
-            faults.caught(exc, "register_kv_caches")
+            self._cannot_copy(exc, "register_kv_caches")
+        self._tell_service()
+
+    def _cannot_copy(self, exc: Exception, where: str) -> None:
+        """This worker's KV cache cannot be copied: idle for good (or stop, with fail_when_idle)."""
+        faults.caught(exc, where)
+        if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
-            self._stay_idle(f"this worker's KV cache cannot be copied: {exc}")
-        self._tell_service()
+        self._stay_idle(f"this worker's KV cache cannot be copied: {exc}")
+
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """kvtier follows vLLM's sleep mode: it lets go of the KV cache in unregister_kv_caches and
+        takes it up again in restore_kv_caches."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM releases its KV cache (sleep mode): end every copy and read of it, fail pending async
+        loads, release the copier's staging buffers and unpin the arena."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.unregister_kv_caches()
+        except Exception as exc:  # nothing may touch the released memory: this worker stops serving
+            self._cannot_copy(exc, "unregister_kv_caches")
+
+    def restore_kv_caches(self, kv_caches: dict[str, Any] | None = None) -> None:
+        """vLLM's KV cache is back after sleep mode: copy from and into it again (the tensors handed
+        over, else those registered before), with the arena mapped and pinned again."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.restore_kv_caches(kv_caches)
+        except Exception as exc:
+            self._cannot_copy(exc, "restore_kv_caches")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Receive this step's plan and start its reserves."""
@@ -339,6 +374,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves copy all layers at once in wait_for_save."""
         return
+
+    def finish_forward(self) -> None:
+        """The target model's forward ended (V2 model runner): order the drafter after the loads."""
+        if self._worker is not None:
+            self._worker.finish_forward()
 
     def wait_for_save(self) -> None:
         """Copy this step's finished chunks to the arena and commit them."""
@@ -378,6 +418,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         data = side.stats() if side is not None else {}
         serving = self._serving()
         self._state.stamp(data, serving)
+        self._respawns.stamp(data)
         if not self._idle:
             self._log_change(serving)
         return KVTierStats(data=data) if any(data.values()) else None

@@ -30,6 +30,7 @@ other, so the loads are copied by the caller before the forward instead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ import torch
 from kvtier.connector.block_ids import Run, block_runs, check_block_ids
 from kvtier.connector.copy_thread import CopyThread
 from kvtier.connector.layout import LayoutError, PageLayout, block_planes
+from kvtier.connector.pinning import bind_device
 from kvtier.runtime.handoff import TwoEnds
 
 if TYPE_CHECKING:
@@ -241,7 +243,7 @@ class BlockCopier:
                 self._gpu = CudaCopier(self.layers, blocks_per_chunk, num_blocks)
             except CudaLayoutError as exc:
                 raise LayoutError(str(exc)) from exc
-            self._helper = CopyThread(helper_cpus, name="kvtier-cuda-saves")
+            self._helper = cuda_save_waiter(self.device, helper_cpus)
         else:
             # numpy views sharing the KV tensors' memory (see the module docstring for why).
             self._np_layers = [[p.numpy() for p in planes] for planes in self.layers]
@@ -451,6 +453,12 @@ class BlockCopier:
 
     def _threads(self) -> list[CopyThread]:
         return [t for t in (self._helper, self._saver) if t is not None]
+
+
+def cuda_save_waiter(device: torch.device, cpus: frozenset[int] | None) -> CopyThread:
+    """The thread that waits for a CUDA copier's save batches to end (``_await_save``), bound to the
+    copier's device first: an event's synchronize on an unbound thread opens a context on device 0."""
+    return CopyThread(cpus, name="kvtier-cuda-saves", on_start=functools.partial(bind_device, device))
 
 
 def _report(done: Callable[[BaseException | None], object], error: BaseException | None) -> None:

@@ -26,14 +26,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kvtier.connector.block_ids import block_runs, check_block_ids
+from kvtier.connector.block_ids import aligned_starts, block_runs, check_block_ids
 from kvtier.connector.cuda_kernels import stage_blocks
+from kvtier.connector.staging import RING, StagingError, layers_per_piece
 
-# Staging bytes per piece, and buffers in a lane's ring (one filling while the other is in the DMA).
-# 16 MiB pieces reach the plain cudaMemcpy's speed (docs/performance.md) and still split a large
-# model's chunk into layer pieces, so the forward's first layers start while later ones load.
-PIECE_BYTES = 16 << 20
-RING = 2
 # A chunk's block ids as the kernel takes them: (first id, step) where they step by 1 or -1, else the
 # ids on the device.
 _Ids = tuple[int, int] | torch.Tensor
@@ -100,7 +96,11 @@ class CudaCopier:
         self.num_blocks = num_blocks
         self.page_bytes = self.planes * self.row_bytes
         layer_chunk = blocks_per_chunk * self.page_bytes
-        self.layers_per_piece = max(1, min(self.num_layers, PIECE_BYTES // layer_chunk))
+        try:  # from the headroom vLLM leaves: its KV cache is sized before connectors register
+            free = torch.cuda.mem_get_info(self.device)[0]
+            self.layers_per_piece = layers_per_piece(layer_chunk, self.num_layers, free)
+        except StagingError as exc:
+            raise CudaLayoutError(str(exc)) from exc
         self._table = torch.tensor(addresses, dtype=torch.int64, device=self.device)
         piece = self.layers_per_piece * layer_chunk
         low, high = _priorities()
@@ -130,20 +130,22 @@ class CudaCopier:
         the kernel does not bound-check, and a wrong id would write over another request's KV."""
         lists = [check_block_ids(block_ids, self.num_blocks) for block_ids in id_lists]
         firsts = [_run_of(ids) for ids in lists]
-        scattered = [b for ids, first in zip(lists, firsts, strict=True) if first is None for b in ids]
+        scattered = [ids for ids, first in zip(lists, firsts, strict=True) if first is None]
         if not scattered:
             return firsts  # type: ignore[return-value]  # no None in it
-        host = torch.tensor(scattered, dtype=torch.int64).pin_memory()
+        # Each chunk's ids start 16-byte aligned, as the warm-up's do: no kernel variant is met first
+        # inside a step (aligned_starts).
+        starts, total = aligned_starts([len(ids) for ids in scattered])
+        padded = [0] * total
+        for start, ids in zip(starts, scattered, strict=True):
+            padded[start : start + len(ids)] = ids
+        host = torch.tensor(padded, dtype=torch.int64).pin_memory()
         with torch.cuda.stream(lane.kernels):
             uploaded = host.to(self.device, non_blocking=True)
         out: list[_Ids] = []
-        at = 0
-        for ids, first in zip(lists, firsts, strict=True):
-            if first is None:
-                out.append(uploaded[at : at + len(ids)])
-                at += len(ids)
-            else:
-                out.append(first)
+        views = iter(uploaded[start : start + len(ids)] for start, ids in zip(starts, scattered, strict=True))
+        for first in firsts:
+            out.append(next(views) if first is None else first)
         return out
 
     def _pieces(self) -> list[tuple[int, int]]:

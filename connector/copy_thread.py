@@ -5,7 +5,8 @@ thread (a ``Lane``, the runner the disk tier's companions use) only runs the cop
 it; numpy drops the GIL inside each large copy, so it and the caller's thread copy at the same time.
 ``wait()`` is the fence: after it returns, every copy submitted before has ended, and the first error
 among them is raised there. A ``background`` thread runs at a lower CPU priority (for saves, which no
-one waits for until a fence; see app/affinity.py).
+one waits for until a fence; see app/affinity.py). ``on_start`` runs first on the thread: a CUDA
+copier's thread binds the KV cache's device there before any CUDA call (``pinning.bind_device``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ class CopyThread:
     """One daemon thread running submitted copies in order; wait() fences them."""
 
     def __init__(
-        self, cpus: frozenset[int] | None = None, name: str = "kvtier-copy", background: bool = False
+        self,
+        cpus: frozenset[int] | None = None,
+        name: str = "kvtier-copy",
+        background: bool = False,
+        on_start: Callable[[], object] | None = None,
     ) -> None:
         self._cond = threading.Condition()
         self._pending = 0
@@ -38,6 +43,8 @@ class CopyThread:
             self._lane.put(run_on, cpus)
         if background:
             self._lane.put(deprioritize)
+        if on_start is not None:
+            self._lane.put(on_start)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the thread; its outcome is seen at the next wait()."""

@@ -99,6 +99,11 @@ class GroupedCopier:
             copier.close()
 
 
+def copiers_of(copier: BlockCopier | GroupedCopier) -> list[BlockCopier]:
+    """The one-group copiers a copier is made of (itself for one group)."""
+    return copier.copiers if isinstance(copier, GroupedCopier) else [copier]
+
+
 def build_copier(
     groups: Sequence[Sequence[torch.Tensor]],
     num_blocks: int,

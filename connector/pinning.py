@@ -1,15 +1,20 @@
-"""Registering the arena mapping as pinned host memory, so CUDA copies to and from it run as DMA.
+"""Registering the arena mapping as pinned host memory, so CUDA copies to and from it run as DMA, and
+binding kvtier's own threads to the KV cache's device.
 
 A registration is split into pieces of at most ``PIN_PIECE_BYTES``, as vLLM's own offloading does
-for its host region (drivers refuse or stall on very large single registrations). A slot that
-straddles two pieces still copies correctly, as pageable memory. Every failed call's error is
-cleared at once: the CUDA runtime keeps it for the next launch check, where one of vLLM's kernels
-would raise it.
+for its host region (drivers refuse or stall on very large single registrations). Pieces end on slot
+boundaries (``pin_pieces``), so no slot is half pinned: a slot's DMA then never runs from pageable
+memory in part. Every failed call's error is cleared at once: the CUDA runtime keeps it for the next
+launch check, where one of vLLM's kernels would raise it.
+
+Devices: vLLM sets the CUDA device on its worker thread only. A thread of kvtier's own that makes a
+CUDA runtime call without setting it first runs on device 0, opening a second context there on every
+other rank (and registering the arena with a context its copies never use). So every function here
+takes the device explicitly and makes it the calling thread's device first (``bind_device``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -20,52 +25,78 @@ PIN_PIECE_BYTES = 64 << 30
 _PAGE = 4096
 
 
-def pin_host_buffer(buf: memoryview, piece_bytes: int = PIN_PIECE_BYTES) -> list[int]:
-    """Register a host buffer for DMA in pieces; the addresses registered (none without CUDA, or
-    when CUDA refuses: the copies then run from pageable memory, correct and slower)."""
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` (a CUDA device with its index) the calling thread's device; nothing for
+    another device type."""
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        raise ValueError(f"{device} names no device index; kvtier binds threads to the KV cache's device")
+    torch.cuda.set_device(device)
+
+
+def pin_pieces(size: int, slot_bytes: int, piece_bytes: int = PIN_PIECE_BYTES) -> list[tuple[int, int]]:
+    """(offset, length) of the registrations of ``size`` bytes: at most ``piece_bytes`` each (one
+    slot at least), every inner boundary on a slot boundary and a page boundary (slots lie at
+    offsets that are multiples of their page-aligned extent)."""
+    extent = -(-max(slot_bytes, 1) // _PAGE) * _PAGE
+    piece = max(extent, piece_bytes - piece_bytes % extent)
+    return [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
+
+
+def pin_host_buffer(
+    buf: memoryview, device: torch.device, slot_bytes: int, piece_bytes: int = PIN_PIECE_BYTES
+) -> list[int]:
+    """Register a host buffer for DMA with ``device``'s context, in pieces that end on slot
+    boundaries; the addresses registered (none without CUDA, or when CUDA refuses: the copies then
+    run from pageable memory, correct and slower)."""
     if not torch.cuda.is_available() or len(buf) == 0:
         return []
+    bind_device(device)
     cudart = torch.cuda.cudart()
     base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-    piece = max(_PAGE, piece_bytes - piece_bytes % _PAGE)
     pinned: list[int] = []
-    for offset in range(0, len(buf), piece):
-        size = min(piece, len(buf) - offset)
+    for offset, size in pin_pieces(len(buf), slot_bytes, piece_bytes):
         result = int(cudart.cudaHostRegister(base + offset, size, 0))
         if result == 0:
             pinned.append(base + offset)
             continue
-        clear_cuda_error()
+        clear_cuda_error(device)
         log.warning(
             "kvtier: cannot pin the arena for DMA (CUDA error %d at %d of %d bytes; a file outside "
             "tmpfs cannot be pinned, keep shm_dir on tmpfs such as /dev/shm); copies run from "
             "pageable memory, slower",
             result, offset, len(buf),
         )  # fmt: skip
-        unpin_host_buffer(pinned)
+        unpin_host_buffer(pinned, device)
         return []
     return pinned
 
 
-def unpin_host_buffer(addresses: list[int]) -> None:
-    """Undo pin_host_buffer (nothing to do for an empty list)."""
+def unpin_host_buffer(addresses: list[int], device: torch.device) -> None:
+    """Undo pin_host_buffer, with the context it registered with (nothing to do for an empty list)."""
     if not addresses:
         return
+    bind_device(device)
     cudart = torch.cuda.cudart()
     for address in reversed(addresses):
         result = int(cudart.cudaHostUnregister(address))
         if result != 0:
-            clear_cuda_error()
+            clear_cuda_error(device)
             log.warning("kvtier: cudaHostUnregister failed (CUDA error %d)", result)
 
 
-def clear_cuda_error() -> None:
-    """Take the error a failed runtime call left behind, so no later launch check raises it."""
+def clear_cuda_error(device: torch.device) -> None:
+    """Take the error a failed runtime call left behind on ``device``, so no later launch check
+    raises it."""
+    bind_device(device)
     cudart = torch.cuda.cudart()
     get_last_error = getattr(cudart, "cudaGetLastError", None)
     if get_last_error is not None:
         get_last_error()
         return
     # torch's launch check calls cudaGetLastError: a launch here takes the error instead.
-    with contextlib.suppress(RuntimeError):
-        torch.zeros(1, device="cuda")
+    try:
+        torch.zeros(1, device=device)
+    except RuntimeError:
+        return

@@ -6,12 +6,18 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from kvtier.connector.stats import reported_state
+from kvtier.connector.stats import reported_pinning, reported_state
 
 ACTIVE = "vllm:kvtier_active"
 ACTIVE_DOC = (
     "1 while kvtier serves this engine (the scheduler and every worker), 0 while any of them is idle "
     "(the engine's log says why); absent until the engine's first step."
+)
+
+ARENA_PINNED = "vllm:kvtier_arena_pinned"
+ARENA_PINNED_DOC = (
+    "1 while every CUDA worker's arena is pinned for DMA, 0 while one serves from pageable memory "
+    "(its pinning failed; vLLM's log says why); absent without CUDA."
 )
 
 # stats key -> (metric name, help text, extra label (name, value) or None)
@@ -58,6 +64,16 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
         None,
     ),
     "save_errors": ("vllm:kvtier_save_errors", "Save calls that failed.", None),
+    "service_respawns": (
+        "vllm:kvtier_service_respawns",
+        "Restarts of the embedded service (it had died) that served, by any process of the engine.",
+        None,
+    ),
+    "service_respawn_failures": (
+        "vllm:kvtier_service_respawn_failures",
+        "Restarts of the embedded service that did not serve in time (killed and tried again).",
+        None,
+    ),
     "unsaved_chunks": (
         "vllm:kvtier_unsaved_chunks",
         "Chunks not saved: vLLM had freed sliding-window blocks they must hold.",
@@ -103,16 +119,25 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             name=ACTIVE, documentation=ACTIVE_DOC, labelnames=labelnames, multiprocess_mode="mostrecent"
         )
         self._active: dict[int, Any] = {}
+        self._pinned_family = gauge_cls(
+            name=ARENA_PINNED,
+            documentation=ARENA_PINNED_DOC,
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        self._pinned: dict[int, Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Set the state the report carries, if any, and add its counts."""
-        state = reported_state(transfer_stats_data)
-        if state is not None:
-            gauge = self._active.get(engine_idx)
-            if gauge is None:
-                labels = self.per_engine_labelvalues[engine_idx]
-                gauge = self._active[engine_idx] = self._active_family.labels(*labels)
-            gauge.set(1 if state else 0)
+        for state, family, children in (
+            (reported_state(transfer_stats_data), self._active_family, self._active),
+            (reported_pinning(transfer_stats_data), self._pinned_family, self._pinned),
+        ):
+            if state is not None:
+                gauge = children.get(engine_idx)
+                if gauge is None:
+                    gauge = children[engine_idx] = family.labels(*self.per_engine_labelvalues[engine_idx])
+                gauge.set(1 if state else 0)
         for key, value in transfer_stats_data.items():
             metric = self._bound.get((engine_idx, key))
             if metric is not None and isinstance(value, int | float) and value > 0:

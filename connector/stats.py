@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.app.embedded import RespawnCounts
 from kvtier.storage.base import Tier
 
 
@@ -104,7 +105,11 @@ def merge_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 IDLE_SIDES = "idle_sides"  # in every report of an idle side, so an idle engine's report is never empty
 ACTIVE_SIDES = "active_sides"  # in a side's first report after it began to serve, once
-STATE_KEYS = (IDLE_SIDES, ACTIVE_SIDES)
+# A CUDA worker's arena: in every report while its pinning failed (copies run from pageable memory,
+# slower), and in the first report once it is pinned.
+UNPINNED_ARENAS = "unpinned_arenas"
+PINNED_ARENAS = "pinned_arenas"
+STATE_KEYS = (IDLE_SIDES, ACTIVE_SIDES, UNPINNED_ARENAS, PINNED_ARENAS)
 
 
 class SideState:
@@ -122,6 +127,33 @@ class SideState:
         self.serving = serving
 
 
+class PinState:
+    """Whether a CUDA worker's arena is pinned for DMA, as its next stats report says it."""
+
+    def __init__(self) -> None:
+        self.pinned: bool | None = None  # as the last report said
+
+    def stamp(self, data: dict[str, Any], pinned: bool | None) -> None:
+        """Add the arena's state (None: no CUDA arena whose pinning ended) to a report: unpinned in
+        every one, pinned only when it just became so."""
+        if pinned is False:
+            data[UNPINNED_ARENAS] = 1
+        elif pinned and self.pinned is not True:
+            data[PINNED_ARENAS] = 1
+        if pinned is not None:
+            self.pinned = pinned
+
+
+def reported_pinning(data: Mapping[str, Any]) -> bool | None:
+    """What a report summed over workers says of their arenas: False when one serves unpinned, True
+    when one became pinned and none is unpinned, None when it carries no such state."""
+    if data.get(UNPINNED_ARENAS, 0) > 0:
+        return False
+    if data.get(PINNED_ARENAS, 0) > 0:
+        return True
+    return None
+
+
 def reported_state(data: Mapping[str, Any]) -> bool | None:
     """What a report summed over sides says: False when a side is idle, True when a side began to
     serve and none is idle, None when it carries no state (the state is unchanged)."""
@@ -130,3 +162,22 @@ def reported_state(data: Mapping[str, Any]) -> bool | None:
     if data.get(ACTIVE_SIDES, 0) > 0:
         return True
     return None
+
+
+class RespawnReport:
+    """The embedded service's restarts by this process since its last report (RespawnCounts holds
+    the totals, which the client's respawner thread counts)."""
+
+    def __init__(self, counts: RespawnCounts) -> None:
+        self.counts = counts
+        self._told = (0, 0)
+
+    def stamp(self, data: dict[str, Any]) -> None:
+        """Add the restarts and failed restarts not reported yet to a report."""
+        now = (self.counts.started, self.counts.failed)
+        started, failed = now[0] - self._told[0], now[1] - self._told[1]
+        if started:
+            data["service_respawns"] = started
+        if failed:
+            data["service_respawn_failures"] = failed
+        self._told = now

@@ -46,9 +46,9 @@ from kvtier.connector.disk_reads import (
     direct_reads,
     file_channel_of,
 )
-from kvtier.connector.group_copy import GroupedCopier, build_copier
+from kvtier.connector.group_copy import GroupedCopier, build_copier, copiers_of
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, KVTierWorkerMeta, LoadJob
-from kvtier.connector.stats import WorkerCounters, merge_counts
+from kvtier.connector.stats import PinState, WorkerCounters, merge_counts
 from kvtier.connector.worker_arena import WorkerArena
 from kvtier.connector.worker_jobs import PendingLoad, StepLoads, layers_wait_in_forward
 from kvtier.connector.worker_saves import Saves
@@ -70,7 +70,7 @@ class WorkerSide:
         self.totals: dict[str, Any] = {}
         # One BlockCopier over every layer, or one per KV cache group (hybrid engines).
         self.copier: BlockCopier | GroupedCopier | None = None
-        self._arena = WorkerArena(engine_cpus(), cuda=False)
+        self._arena = WorkerArena(engine_cpus(), None)
         # Guards the counters and the saves' ends, written from client callbacks and from the copy
         # thread when a deferred save ends.
         self._lock = threading.Lock()
@@ -95,6 +95,8 @@ class WorkerSide:
         self._forward_layers: set[int] = set()
         self._disk: DiskReader | None = None  # reads disk hits from their files (file channel)
         self._step = 0  # the scheduler side's number of the step bound last
+        self._kv_caches: dict[str, Any] = {}  # as registered: restore_kv_caches may hand none
+        self._pin_state = PinState()
         if client is not None:
             self._hello = client.hello(cfg.spec)
 
@@ -106,15 +108,16 @@ class WorkerSide:
         groups = [[kv_caches[n] for n in names[i : i + size]] for i, size in zip(starts, sizes, strict=True)]
         bpc = self.cfg.geometry.blocks_per_chunk
         copier = build_copier(groups, self.cfg.num_blocks, bpc, engine_cpus())
-        if copier.layout.page_bytes != self.cfg.spec.page_bytes:
+        self._kv_caches = kv_caches
+        # The spec's page is vLLM's unpadded one (config.real_page_bytes): what the views hold.
+        pages = sorted({c.layout.page_bytes for c in copiers_of(copier)})
+        if pages != [self.cfg.spec.page_bytes]:
             copier.close()
-            raise ValueError(
-                f"KV page is {copier.layout.page_bytes} bytes, vLLM's spec says {self.cfg.spec.page_bytes}"
-            )
+            raise ValueError(f"KV pages are {pages} bytes, vLLM's spec says {self.cfg.spec.page_bytes}")
         self.copier = copier
         if copier.device.type == "cuda":
             self._arena.shutdown()
-            self._arena = WorkerArena(engine_cpus(), cuda=True)
+            self._arena = WorkerArena(engine_cpus(), copier.device, copier.chunk_bytes)
         self._refresh_arena(wait=HELLO_WAIT_S)
 
     def _refresh_arena(self, wait: float = 0.0) -> None:
@@ -162,6 +165,13 @@ class WorkerSide:
         """True when copies can run: KV caches registered and an arena mapped (and pinned, on CUDA)."""
         return self.copier is not None and self._arena.usable
 
+    @property
+    def arena_pinned(self) -> bool | None:
+        """Whether the CUDA arena serves pinned for DMA; None without CUDA, or before its pinning ends."""
+        if not self._arena.cuda or not self._arena.usable:
+            return None
+        return self._arena.pinned
+
     # ---------------------------------------------------------------------------------- steps
     def bind(self, meta: KVTierMetadata) -> None:
         """Start this step's reserves early, so their answers are in by wait_for_save."""
@@ -205,8 +215,10 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """Fence: copies reading blocks of requests preempted now, or sliding-window blocks handed out
-        again, must end before vLLM writes those blocks (it zeroes and copies new blocks before the
-        step's bind, then runs the forward)."""
+        again, must end before vLLM writes those blocks. vLLM's V1 model runner calls this before it
+        zeroes or copies any block of the step; its V2 runner calls it after queueing those writes,
+        so this relies on kvtier serving no engine that has them (``config.check_block_writes``):
+        under V2 the step's first writes to a reused block are its loads and its forward."""
         if meta.preempted:
             self._fence()
         else:
@@ -298,10 +310,22 @@ class WorkerSide:
             step.loads.wait_layer(layer)
             step.waited.add(layer)
 
+    def finish_forward(self) -> None:
+        """The target model's forward has ended (vLLM's V2 model runner, before its drafter runs):
+        the layers waited for so far are the forward's, and whatever runs next on the compute
+        stream (an EAGLE or MTP drafter, perhaps a full graph that waits for no layer) is ordered
+        after every load of the step; the host does not block. V1 runs its drafter after the load
+        report, which has finished the loads by then."""
+        self._end_forward()
+        step = self._step_loads
+        if step is not None:
+            step.loads.wait_layer(len(self._all_layers) - 1)
+
     def _end_forward(self) -> None:
         """The step's first finish point: the layers waited for so far are the forward's. A drafter's
-        layers wait later in the step (vLLM asks for load errors before it runs the drafter), read
-        loads that were finished by then, and so are never taken for layers the forward skipped."""
+        layers wait later in the step (V1 asks for load errors before it runs the drafter, V2 calls
+        finish_forward), read loads that were finished or ordered by then, and so are never taken
+        for layers the forward skipped."""
         if self._in_forward:
             self._in_forward = False
             self._forward_layers |= self._waits_now
@@ -494,8 +518,40 @@ class WorkerSide:
         with self._lock:
             data = self.counters.take()
             data["save_errors"] += self._saves.take_late_errors()
+        self._pin_state.stamp(data, self.arena_pinned)
         self.totals = merge_counts(self.totals, data)
         return data
+
+    # ---------------------------------------------------------------------------- sleep mode
+    def unregister_kv_caches(self) -> None:
+        """vLLM releases its KV cache (sleep mode): end every copy and read of it, fail the async
+        loads still pending (reported at the next poll, so vLLM recomputes them), then stop the
+        copier (its staging buffers go with it) and unpin and unmap the arena."""
+        self._end_forward()
+        self._finish_loads()
+        for req_id, pending in self._async.items():
+            if pending.disk is not None:
+                pending.disk.close()
+            self._fail_job(pending.job, range(len(pending.job.chunks)))
+            self._release(pending.job.lease_of(self._rank))
+            self._finished_recving.add(req_id)
+        self._async.clear()
+        if self._disk is not None:  # its planes are views of the KV cache
+            self._disk.close()
+            self._disk = None
+        if self.copier is not None:
+            self._fence()
+            self.copier.close()
+            self.copier = None
+        self._arena.shutdown()
+        self._arena = WorkerArena(engine_cpus(), None)
+
+    def restore_kv_caches(self, kv_caches: dict[str, Any] | None = None) -> None:
+        """vLLM's KV cache is back after sleep mode: build the copier over it again (the tensors
+        handed over, else those registered first) and map and pin the arena again."""
+        if self.client is not None and self._hello is None:
+            self._hello = self.client.hello(self.cfg.spec)  # the arena was given up: ask again
+        self.register_kv_caches(kv_caches or self._kv_caches)
 
     def shutdown(self) -> None:
         """Finish copies and reads, and unmap the arena."""

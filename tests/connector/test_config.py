@@ -109,6 +109,18 @@ def test_a_sliding_window_hybrid_gets_one_chunk_over_every_group() -> None:
     assert single.namespace != cfg.namespace
 
 
+def test_kv_caches_vllm_zeroes_each_step_are_refused_under_the_v2_runner_only() -> None:
+    """Mixed precisions (a bf16 group beside an fp8 one, pages alike): vLLM's V2 runner zeroes their
+    new blocks before handle_preemptions, where a deferred save may still read one; V1 calls it first."""
+    fp8 = FullAttentionSpec(**{**DENSE, "head_size": 128, "dtype": torch.uint8})
+    vllm_config, kv_cache_config = _engine(FullAttentionSpec(**DENSE), fp8)
+    assert kv_cache_config.needs_kv_cache_zeroing
+    with pytest.raises(UnsupportedEngine, match=r"needs_kv_cache_zeroing.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        build_config(vllm_config, kv_cache_config, role_is_worker=False)
+    vllm_config.use_v2_model_runner = False
+    assert build_config(vllm_config, kv_cache_config, role_is_worker=False).group_sizes == (2, 2)
+
+
 def test_groups_of_other_block_sizes_are_refused() -> None:
     other = SlidingWindowSpec(**{**DENSE, "block_size": 32}, sliding_window=128)
     with pytest.raises(UnsupportedEngine, match=r"one block size and page size; .* block sizes \[16, 32\]"):

@@ -11,13 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.connector.block_ids import block_runs
+from kvtier.connector.block_ids import IDS_ALIGN, aligned_starts, block_runs
 from kvtier.connector.copy import BlockCopier, chunk_rows, loads_overlap
 from kvtier.connector.layout import LayoutError, block_planes
 from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
 from kvtier.runtime.affinity import NICE_STEPS
 
 NUM_BLOCKS = 12
+# The device slots are pinned for: where CUDA is, its first device (the copies below run there).
+PIN_DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
@@ -31,12 +33,12 @@ def slot_bytes() -> Iterator:
 
     def make(nbytes: int) -> bytearray:
         buf = bytearray(nbytes)
-        pinned.append(pin_host_buffer(memoryview(buf)))
+        pinned.append(pin_host_buffer(memoryview(buf), PIN_DEVICE, nbytes))
         return buf
 
     yield make
     for addresses in pinned:
-        unpin_host_buffer(addresses)
+        unpin_host_buffer(addresses, PIN_DEVICE)
 
 
 def _kv_cpu(seed: int) -> torch.Tensor:
@@ -73,6 +75,20 @@ def test_save_then_load_restores_blocks(make, helper_cpus, device, slot_bytes) -
         for s_id, d_id in [(2, 3), (9, 4), (7, 6)]:
             assert torch.equal(src.select(bdim, s_id), dst.select(bdim, d_id))
         assert not dst.select(bdim, 0).any()
+
+
+@pytest.mark.parametrize(
+    ("lengths", "starts", "total"),
+    [([3, 5, 4], [0, 4, 10], 14), ([1, 1, 1], [0, 2, 4], 6), ([4, 6], [0, 4], 10), ([], [], 0)],
+)
+def test_each_chunks_uploaded_ids_start_16_byte_aligned(
+    lengths: list[int], starts: list[int], total: int
+) -> None:
+    """Triton compiles a kernel variant of its own for ids 8 bytes off a 16-byte line: every chunk's
+    ids start at an even int64 index, so an odd-length chunk before them never shifts them."""
+    assert IDS_ALIGN * 8 == 16
+    assert aligned_starts(lengths) == (starts, total)
+    assert all(start * 8 % 16 == 0 for start in starts)
 
 
 def test_block_runs_split_ids_where_they_stop_stepping_by_one() -> None:
@@ -437,21 +453,22 @@ def test_an_arena_cuda_refuses_to_pin_leaves_no_error_for_the_next_kernel() -> N
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     buf = bytearray(1 << 20)
-    pinned = pin_host_buffer(memoryview(buf))
+    pinned = pin_host_buffer(memoryview(buf), PIN_DEVICE, len(buf))
     assert pinned
     try:
-        assert not pin_host_buffer(memoryview(buf))  # registered already: CUDA refuses
+        assert not pin_host_buffer(memoryview(buf), PIN_DEVICE, len(buf))  # registered already: CUDA refuses
         assert float(torch.ones(4, device="cuda").sum()) == 4.0  # no stale error raised here
     finally:
-        unpin_host_buffer(pinned)
+        unpin_host_buffer(pinned, PIN_DEVICE)
 
 
 def test_a_cuda_save_that_fails_midway_reports_it_with_nothing_left_running(monkeypatch, slot_bytes) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     import kvtier.connector.copy_cuda as copy_cuda
+    from kvtier.connector import staging
 
-    monkeypatch.setattr(copy_cuda, "PIECE_BYTES", 1)  # one layer per piece: several pieces per chunk
+    monkeypatch.setattr(staging, "PIECE_BYTES", 1)  # one layer per piece: several pieces per chunk
     layers = [_kv_split(40 + i).to("cuda") for i in range(4)]
     copier = BlockCopier(layers, NUM_BLOCKS, blocks_per_chunk=2)
     real, calls = copy_cuda.stage_blocks, []
@@ -469,7 +486,8 @@ def test_a_cuda_save_that_fails_midway_reports_it_with_nothing_left_running(monk
     copier.save_batch([(slot, [1, 2])], seen.append)
     assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
     gpu = copier._gpu
-    assert gpu is not None and gpu._kernels.query() and gpu._dma.query()  # nothing still queued
+    lane = gpu._saves if gpu is not None else None
+    assert lane is not None and lane.kernels.query() and lane.dma.query()  # nothing still queued
     copier.close()
 
 

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-from kvtier.app.embedded import paths_for
+from kvtier.app.embedded import RespawnCounts, paths_for
 from kvtier.connector.connector import KVTierConnector, KVTierIdle, KVTierStats
 from kvtier.connector.prom import ACTIVE, KVTierPromMetrics
-from kvtier.connector.stats import ACTIVE_SIDES, IDLE_SIDES
+from kvtier.connector.stats import ACTIVE_SIDES, IDLE_SIDES, RespawnReport
 from tests.app import ThreadService, settings_for, thread_service
 
 SCHEDULER, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
@@ -179,6 +179,24 @@ def test_the_active_gauge_follows_the_state_each_report_carries() -> None:
     assert prom.active_after({"admissions": 1}) == 0  # a report without state changes nothing
     assert prom.active_after({ACTIVE_SIDES: 2}) == 1
     assert prom.active_after({ACTIVE_SIDES: 1, IDLE_SIDES: 1}) == 0  # any idle side makes it idle
+
+
+def test_each_report_carries_the_respawns_counted_since_the_last_one() -> None:
+    counts = RespawnCounts()
+    report = RespawnReport(counts)
+    data: dict[str, int] = {}
+    report.stamp(data)
+    assert data == {}  # nothing happened: nothing reported
+    counts.failed += 2
+    counts.started += 1
+    report.stamp(data)
+    assert data == {"service_respawns": 1, "service_respawn_failures": 2}
+    later: dict[str, int] = {}
+    report.stamp(later)
+    assert later == {}  # each restart is reported once
+    counts.started += 1
+    report.stamp(later)
+    assert later == {"service_respawns": 1}
 
 
 # ------------------------------------------------------------------------------- unsupported engine

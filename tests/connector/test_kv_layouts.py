@@ -9,24 +9,16 @@ increasing address order, which is the block's dense rows concatenated in addres
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    create_kv_cache_views,
-)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtier.bench.kv_views import kv_cache_views, mla_kv_cache_views
 from kvtier.connector.copy import BlockCopier
 from kvtier.connector.layout import LayoutError
+from tests.connector.vllm_kv import kv_cache_config, views_of
 
 NUM_LAYERS, NUM_BLOCKS, BLOCKS_PER_CHUNK = 3, 16, 4
 HEADS, HEAD_SIZE, MLA_HEAD_SIZE = 2, 64, 576
@@ -82,28 +74,12 @@ ID_LISTS = {
 }
 
 
-def _vllm_config(layout: KVCacheLayout, num_blocks: int) -> Any:  # stands in for a VllmConfig
-    """The settings ``get_kv_cache_config_from_groups`` reads: the layout, a fixed block count."""
-    cache = SimpleNamespace(
-        get_resolved_kv_cache_layout=lambda: layout,
-        num_gpu_blocks_override=num_blocks,
-        prefix_cache_retention_interval=None,
-    )
-    return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), cache_config=cache)
-
-
 def vllm_views(case: Case, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """vLLM's raw int8 buffer (random bytes) and its per-layer views, as allocate_kv_cache makes them."""
     names = [f"model.layers.{i}.attn" for i in range(NUM_LAYERS)]
     spec = case.kv_spec()
-    config = get_kv_cache_config_from_groups(
-        _vllm_config(case.layout, NUM_BLOCKS), [KVCacheGroupSpec(names, spec)], available_memory=1 << 30
-    )
-    (tensor,) = config.kv_cache_tensors
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.randint(-128, 128, (tensor.size,), dtype=torch.int8, generator=gen)
-    views = create_kv_cache_views(raw, spec, NUM_BLOCKS, case.layout, tensor, case.kernel_block_size)
-    return raw, views
+    config = kv_cache_config(names, spec, case.layout, NUM_BLOCKS)
+    return views_of(config, spec, case.layout, seed, case.kernel_block_size)
 
 
 def page_addresses(raw: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor:
@@ -271,4 +247,19 @@ def test_the_torch_replica_builds_the_views_vllm_builds(
         assert ours.shape == vllms.shape
         assert ours.stride() == vllms.stride()
         assert ours.dtype == vllms.dtype
+        assert ours.storage_offset() == vllms.storage_offset()
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC])
+def test_the_torch_replica_pads_pages_as_vllm_does(layout: KVCacheLayout) -> None:
+    """DeepSeek's fp8 MLA page (656 bytes a token, block 64) padded to a multiple of 576 bytes."""
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=656, dtype=torch.uint8, alignment=576)
+    names = [f"model.layers.{i}.attn" for i in range(NUM_LAYERS)]
+    raw, views = views_of(kv_cache_config(names, spec, layout, NUM_BLOCKS), spec, layout)
+    their_raw, theirs = mla_kv_cache_views(
+        NUM_LAYERS, NUM_BLOCKS, 64, 656, torch.uint8, layout.name, "cpu", alignment=576
+    )
+    assert their_raw.numel() == raw.numel() == NUM_LAYERS * NUM_BLOCKS * spec.page_size_bytes
+    for ours, vllms in zip(theirs, views, strict=True):
+        assert (ours.shape, ours.stride(), ours.dtype) == (vllms.shape, vllms.stride(), vllms.dtype)
         assert ours.storage_offset() == vllms.storage_offset()

@@ -215,12 +215,15 @@ def _run_kills(
             done = load.done
             wait_for(lambda: load.progressed(done, 4), 120, "the load to go on after the last restart")
         hit, first, second = _probe_hit(server, admin)
+        respawns = metric_total(server.metrics(), "vllm:kvtier_service_respawns_total")
+        failures = metric_total(server.metrics(), "vllm:kvtier_service_respawn_failures_total")
     finally:
         stop(server)
     assert not load.errors, f"{len(load.errors)} requests failed: {load.errors[:3]}"
     assert len(times) == KILLS, times
     assert hit == 4 * CHUNK, f"the probe loaded {hit} tokens from kvtier, not its {4 * CHUNK}"
     assert second == first, "the probe's answer changed when its KV came from kvtier"
+    assert (respawns, failures) == (KILLS, 0), f"vLLM's metrics count {respawns} respawns, {failures} failed"
 
 
 def test_the_worker_wins_the_respawn_race_with_a_disk_tier(tiny_model: str, tmp_path: Path) -> None:
