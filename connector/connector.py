@@ -16,7 +16,7 @@ use it. A service that does not answer hears nothing; the connector serves once 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -41,6 +41,16 @@ from kvtier.connector.scheduler import SchedulerSide
 from kvtier.connector.stats import IDLE_SIDES, STATE_KEYS, RespawnReport, SideState, merge_counts
 from kvtier.connector.worker import WorkerSide
 from kvtier.storage.base import Tier
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 # Under vLLM's "vllm" logger: vLLM's handler, format and level, which a logger of our own lacks.
 log = init_logger("vllm.kvtier.connector")
@@ -111,9 +121,16 @@ def _first_answer(client: ServiceClient) -> str:
     return ""
 
 
-def _settings_of(vllm_config: Any) -> KVTierSettings:
+def _transfer_config(vllm_config: VllmConfig) -> KVTransferConfig:
+    """vLLM's --kv-transfer-config, which names this connector (so it is set)."""
+    config = vllm_config.kv_transfer_config
+    assert config is not None, "vLLM builds a KV connector only from a kv_transfer_config"
+    return config
+
+
+def _settings_of(vllm_config: VllmConfig) -> KVTierSettings:
     # build_config validated them before it refused the engine: loading them again cannot fail.
-    return load_settings(extra=dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+    return load_settings(extra=dict(_transfer_config(vllm_config).kv_connector_extra_config or {}))
 
 
 def _idle_error(reason: str) -> KVTierIdle:
@@ -131,14 +148,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     KV cache groups (sliding-window hybrids) keep freeing the blocks behind each window.
     """
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._client: ServiceClient | None = None
         is_worker = role == KVConnectorRole.WORKER
         self._side = "worker" if is_worker else "scheduler"
-        self._engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self._engine_id = str(_transfer_config(vllm_config).engine_id)
         self._idle = ""  # why this side stays idle for good; '' while it serves or may serve
         self._state = SideState()
         self._respawns = RespawnReport(RespawnCounts())
@@ -236,7 +255,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ------------------------------------------------------------------------------ scheduler
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens kvtier can load for this request; (None, False) asks vLLM to try next step."""
         if self._sched is None:
             return 0, False
@@ -247,7 +268,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kvtier lookup failed; treating it as a miss: %s", exc)
             return 0, False
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """Prefetch the lookup of a request the moment vLLM receives it."""
         if self._sched is not None:
             try:
@@ -256,28 +277,30 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 faults.caught(exc, "on_new_request")
                 log.warning("kvtier prefetch failed; the lookup happens at admission instead: %s", exc)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Plan the load of the external tokens into the allocated blocks."""
         if self._sched is not None:
             self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's plan for the workers."""
         if self._sched is None:
             return KVTierMetadata()
         return self._sched.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Completions reported by the workers."""
         if self._sched is not None:
             self._sched.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's lease; hold its blocks while copies may still read them (one group)."""
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's lease; hold its blocks of every group while copies may read them."""
         if self._sched is None:
@@ -291,7 +314,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return self._sched.reset_cache()
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         """Split the external tokens of the last admission by tier."""
         if self._sched is None or num_external_tokens == 0:
             return {}
@@ -302,7 +325,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return sources
 
     # --------------------------------------------------------------------------------- worker
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map vLLM's KV tensors (one per layer) for block copies; a refused layout leaves this worker
         idle (or stops the engine, with fail_when_idle)."""
         if self._worker is None:
@@ -337,7 +360,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as exc:  # nothing may touch the released memory: this worker stops serving
             self._cannot_copy(exc, "unregister_kv_caches")
 
-    def restore_kv_caches(self, kv_caches: dict[str, Any] | None = None) -> None:
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
         """vLLM's KV cache is back after sleep mode: copy from and into it again (the tensors handed
         over, else those registered before), with the arena mapped and pinned again."""
         if self._worker is None:
@@ -358,7 +381,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
             self._worker.handle_preemptions(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load CPU-tier hits now; start staging lower-tier hits."""
         if self._worker is None:
             return
@@ -371,7 +394,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Saves copy all layers at once in wait_for_save."""
         return
 

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.app.client import Call, LookupReply, ServiceClient
 from kvtier.connector import faults
@@ -36,6 +36,10 @@ from kvtier.connector.planning import (
 )
 from kvtier.connector.stats import SchedulerCounters, merge_counts
 from kvtier.storage.base import SlotRef, Tier
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
@@ -76,10 +80,10 @@ class _Answer:
 class _Request:
     """What the scheduler side remembers of one live request."""
 
-    request: Any
+    request: Request
     tables: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
     watermark: int = 0
-    # Tokens [quiet_from, quiet_until) of computed-after-the-step: no save can be due (see _look).
+    # Tokens [quiet_from, quiet_until) of computed-after-the-step: no save can be due (see _plan_saves).
     quiet_from: int = 0
     quiet_until: int = 0
     lease_id: str = ""
@@ -89,7 +93,7 @@ class _Request:
     saved_any: bool = False
     hit_sources: dict[Tier, int] = field(default_factory=dict)
     # The step at which build_connector_meta next looks at it for saves (-1: once vLLM schedules
-    # it afresh; see _look).
+    # it afresh; see _plan_saves).
     look_at: int = -1
     last_save: int = 0  # the step of its last save plan
 
@@ -99,7 +103,7 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig, client: ServiceClient | None) -> None:
         self.cfg = cfg
-        self.geo = cfg.geometry
+        self.geometry = cfg.geometry
         self.client = client
         self.counters = SchedulerCounters()
         self.totals: dict[str, Any] = {}
@@ -110,10 +114,10 @@ class SchedulerSide:
         self._lease_seq = itertools.count(1)
         self._budget_s = cfg.settings.lookup_budget_ms / 1000.0
         self._budget_left = self._budget_s
-        self._bpc = self.geo.blocks_per_chunk
+        self._blocks_per_chunk = self.geometry.blocks_per_chunk
         self._step = 0  # build_connector_meta calls so far
         self._saved_through = 0  # every worker's saves planned up to this step have ended
-        self._looks: dict[int, list[_Request]] = {}  # step -> requests to look at then (see _look)
+        self._plans_due: dict[int, list[_Request]] = {}  # step -> requests to look at then (see _plan_saves)
         self._step_tokens = max(1, cfg.step_tokens)
         # One lookup per rank, each under its own lease: a chunk is a hit when every rank holds it.
         self._namespaces = cfg.lookup_namespaces
@@ -122,36 +126,38 @@ class SchedulerSide:
         self._direct_disk = not cfg.hybrid and bool(
             file_channel_of(cfg.settings.disk_direct_reads, url, cfg.spec.kv_layout)
         )
-        self._reach = cfg.group_reach or (None,)
+        self._group_reach = cfg.group_reach or (None,)
         # Sliding-window blocks are freed while requests run: the workers learn each step's new blocks.
-        self._windowed = any(r is not None for r in self._reach)
+        self._windowed = any(r is not None for r in self._group_reach)
 
     # ------------------------------------------------------------------------------------ lookups
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """Start the lookup as the request arrives, so admission finds the answer already there."""
         if self.client is None or request.request_id in self._reqs:
             return
-        st = self._reqs[request.request_id] = _Request(request)
-        hashes = chunk_hashes(request.block_hashes, self.geo) if self.cfg.loads else []
+        state = self._reqs[request.request_id] = _Request(request)
+        hashes = chunk_hashes(request.block_hashes, self.geometry) if self.cfg.loads else []
         if hashes:
             # Held until admission asks for it (or a few more arrive): one send for a burst.
-            st.lookup = self._start_lookup(st, hashes, hold=True)
+            state.lookup = self._start_lookup(state, hashes, hold=True)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """External tokens for a waiting request; None means 'ask again next step'."""
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = _Request(request)
-        st.answer = None
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _Request(request)
+        state.answer = None
         if self.client is None:
             return 0, False
-        num_chunks = len(request.block_hashes) // self._bpc
-        if not self.cfg.loads or num_chunks * self.geo.chunk_size <= num_computed_tokens:
-            st.answer = _Answer(None, num_computed_tokens, 0)  # still an admission to count
+        num_chunks = len(request.block_hashes) // self._blocks_per_chunk
+        if not self.cfg.loads or num_chunks * self.geometry.chunk_size <= num_computed_tokens:
+            state.answer = _Answer(None, num_computed_tokens, 0)  # still an admission to count
             return 0, False
-        if st.lookup is None or st.lookup.num_chunks != num_chunks or self._too_old(st.lookup):
-            st.lookup = self._start_lookup(st, chunk_hashes(request.block_hashes, self.geo))
-        lookup = st.lookup
+        if state.lookup is None or state.lookup.num_chunks != num_chunks or self._too_old(state.lookup):
+            state.lookup = self._start_lookup(state, chunk_hashes(request.block_hashes, self.geometry))
+        lookup = state.lookup
         waited_from = time.monotonic()
         future = lookup.futures[0]
         try:
@@ -166,25 +172,25 @@ class SchedulerSide:
                 self._budget_left = 0.0  # one slow answer per step: others don't wait behind it
                 self.counters.lookups_deferred += 1
                 return None, False
-            st.lookup = None
+            state.lookup = None
             faults.caught(exc, "a lookup")
             # The service ends the replaced lease even when the lookup fails; a lookup that never
             # reached it did not, so end it here (ending a lease twice does nothing).
             self._end_lease(lookup.replaces)
             self.counters.lookup_errors += 1
             log.debug("kvtier lookup failed, treating as a miss: %s", exc)
-            st.answer = _Answer(None, num_computed_tokens, 0)
+            state.answer = _Answer(None, num_computed_tokens, 0)
             return 0, False
         finally:
             self._budget_left = max(0.0, self._budget_left - (time.monotonic() - waited_from))
-        st.lookup = None
+        state.lookup = None
         self.counters.observe_lookup_latency(time.monotonic() - lookup.started)
-        hit = self._combine(st, replies)
-        ext = external_tokens(hit.num_hit, num_computed_tokens, request.num_tokens, self.geo)
-        st.answer = _Answer(hit, num_computed_tokens, ext)
-        return ext, ext > 0 and self._needs_async(hit, load_spans(num_computed_tokens, ext, self.geo))
+        hit = self._combine(state, replies)
+        ext = external_tokens(hit.num_hit, num_computed_tokens, request.num_tokens, self.geometry)
+        state.answer = _Answer(hit, num_computed_tokens, ext)
+        return ext, ext > 0 and self._needs_async(hit, load_spans(num_computed_tokens, ext, self.geometry))
 
-    def _combine(self, st: _Request, replies: list[LookupReply]) -> _Hit:
+    def _combine(self, state: _Request, replies: list[LookupReply]) -> _Hit:
         """One hit from every rank's answer; no lease is left behind when it is none."""
         results = [r.result for r in replies]
         num_hit, tiers = combine_rank_hits([r.num_hit for r in results], [r.tiers for r in results])
@@ -194,16 +200,16 @@ class SchedulerSide:
             # The service keeps no lease for a lookup that found nothing; end those that found some.
             for rank, result in enumerate(results):
                 if result.num_hit:
-                    self._end_rank_lease(st.lease_id, rank)
-            st.lease_id = ""
+                    self._end_rank_lease(state.lease_id, rank)
+            state.lease_id = ""
         return _Hit(num_hit, tiers, [r.slots for r in results], replies[0].instance_id)
 
-    def _start_lookup(self, st: _Request, hashes: list[bytes], hold: bool = False) -> _Lookup:
+    def _start_lookup(self, state: _Request, hashes: list[bytes], hold: bool = False) -> _Lookup:
         assert self.client is not None
-        lease_id = f"{self.cfg.engine_id}:{st.request.request_id}:{next(self._lease_seq)}"
+        lease_id = f"{self.cfg.engine_id}:{state.request.request_id}:{next(self._lease_seq)}"
         # A new lease id per lookup, so an answer is never confused with a later one; the lookup
         # ends the request's previous lease itself, once the new one holds the chunks.
-        replaces, st.lease_id = st.lease_id, lease_id
+        replaces, state.lease_id = state.lease_id, lease_id
         futures = [
             self.client.lookup(
                 namespace,
@@ -236,15 +242,15 @@ class SchedulerSide:
         if self.client is not None:  # register the new namespaces before the first lookup in them
             for spec in rank_specs(self.cfg.spec, self.cfg.replicated):
                 self.client.hello(spec)
-        for st in self._reqs.values():
-            if not st.async_load_pending:
-                self._release(st)
-                st.lookup = st.answer = None
+        for state in self._reqs.values():
+            if not state.async_load_pending:
+                self._release(state)
+                state.lookup = state.answer = None
         return True
 
-    def _release(self, st: _Request) -> None:
-        self._end_lease(st.lease_id)
-        st.lease_id = ""
+    def _release(self, state: _Request) -> None:
+        self._end_lease(state.lease_id)
+        state.lease_id = ""
 
     def _end_lease(self, lease_id: str) -> None:
         """End the lease of every rank's lookup."""
@@ -256,37 +262,37 @@ class SchedulerSide:
             self.client.release(rank_lease_id(lease_id, rank))
 
     # -------------------------------------------------------------------------------- admission
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         """Turn the lookup answer into a load plan for the blocks vLLM just allocated."""
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = _Request(request)
-        answer, st.answer = st.answer, None
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _Request(request)
+        answer, state.answer = state.answer, None
         if answer is None:
             return  # e.g. the second call after an async load finished
         admitted = answer.local_tokens + num_external_tokens
-        self._set_watermark(st, admitted // self.geo.chunk_size)
+        self._set_watermark(state, admitted // self.geometry.chunk_size)
         self.counters.count_admission(request, num_external_tokens)
         hit = answer.hit
         if num_external_tokens <= 0 or hit is None:
-            self._release(st)
+            self._release(state)
             return
         tables = [list(t) for t in blocks.get_block_ids()]
-        spans = load_spans(answer.local_tokens, num_external_tokens, self.geo)
+        spans = load_spans(answer.local_tokens, num_external_tokens, self.geometry)
         is_async = self._needs_async(hit, spans)
         chunks = []
         sources: dict[Tier, int] = {}
-        hashes, last = request.block_hashes, self._bpc - 1
+        hashes, last = request.block_hashes, self._blocks_per_chunk - 1
         failed = False
         for s in spans:
             slots = [_slot(rank_slots[s.chunk]) for rank_slots in hit.slots]
             tier = hit.tiers[s.chunk]
-            key = bytes(hashes[s.chunk * self._bpc + last]) if is_async else b""
+            key = bytes(hashes[s.chunk * self._blocks_per_chunk + last]) if is_async else b""
             try:
                 end = s.table_start + s.count
                 groups = [
-                    group_load_ids(table[s.table_start : end], s.first, s.chunk, self.geo, reach)
-                    for table, reach in zip(tables, self._reach, strict=True)
+                    group_load_ids(table[s.table_start : end], s.first, s.chunk, self.geometry, reach)
+                    for table, reach in zip(tables, self._group_reach, strict=True)
                 ]
             except ValueError as exc:  # a bug of this plan, not of vLLM: the load fails, recomputed
                 faults.caught(exc, "planning a load")
@@ -294,41 +300,41 @@ class SchedulerSide:
                 groups = [(s.first, []) for _ in tables]
             first, ids = groups[0]
             chunks.append(ChunkLoad(s.chunk, first, ids, slots[0], slots[1:], key, int(tier), groups[1:]))
-            sources[tier] = sources.get(tier, 0) + s.count * self.geo.block_size
-        st.hit_sources = sources
+            sources[tier] = sources.get(tier, 0) + s.count * self.geometry.block_size
+        state.hit_sources = sources
         self.counters.count_hits(sources)
         self._loads[request.request_id] = LoadJob(
-            request.request_id, st.lease_id, chunks, is_async, hit.instance_id, failed
+            request.request_id, state.lease_id, chunks, is_async, hit.instance_id, failed
         )
-        st.async_load_pending = is_async
-        st.lease_id = ""  # the worker releases it once the copy is done
+        state.async_load_pending = is_async
+        state.lease_id = ""  # the worker releases it once the copy is done
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Tier, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Tier, int]:
         """Tokens of the last admission split by the tier they come from."""
-        st = self._reqs.get(request.request_id)
-        return dict(st.hit_sources) if st is not None else {}
+        state = self._reqs.get(request.request_id)
+        return dict(state.hit_sources) if state is not None else {}
 
     # ------------------------------------------------------------------------------------- steps
-    def build_connector_meta(self, so: Any) -> KVTierMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's loads, saves, preemptions and held finished requests."""
         self._budget_left = self._budget_s
         self._step = step = self._step + 1
         meta = KVTierMetadata(generation=self.cfg.generation, step=step)
-        for req_id in getattr(so, "preempted_req_ids", None) or ():
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
         if self._windowed:
-            meta.allocated = self._allocated(so)
-        scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
-        for st, computed in self._track_tables(so):
-            self._look(st, step, computed, scheduled, spec, meta)
-        due = self._looks.pop(step, None)
+            meta.allocated = self._allocated(scheduler_output)
+        scheduled, spec = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
+        for state, computed in self._track_tables(scheduler_output):
+            self._plan_saves(state, step, computed, scheduled, spec, meta)
+        due = self._plans_due.pop(step, None)
         if due:
-            cached = so.scheduled_cached_reqs
+            cached = scheduler_output.scheduled_cached_reqs
             at = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-            for st in due:
+            for state in due:
                 # Else it was looked at since (a look always moves look_at past this step) or ended.
-                if st.look_at == step:
-                    self._look(st, step, at.get(st.request.request_id, -1), scheduled, spec, meta)
+                if state.look_at == step:
+                    self._plan_saves(state, step, at.get(state.request.request_id, -1), scheduled, spec, meta)
         if self._loads:
             # Async loads were planned for requests that are not scheduled this step.
             for req_id, job in self._loads.items():
@@ -336,37 +342,37 @@ class SchedulerSide:
                 loaded = self._reqs.get(req_id)
                 if loaded is not None and not job.is_async:
                     # A load that fails moves num_computed_tokens back: look at the request again.
-                    self._look_at(loaded, step + 1)
+                    self._plan_at(loaded, step + 1)
             self._loads.clear()
         meta.saves.extend(self._final_saves)
         self._final_saves = []
         meta.held, self._held = self._held, []
         return meta
 
-    def _allocated(self, so: Any) -> list[int]:
+    def _allocated(self, scheduler_output: SchedulerOutput) -> list[int]:
         """Every block vLLM handed out this step, of every group (new requests' whole tables)."""
         out: list[int] = []
-        for n in so.scheduled_new_reqs:
+        for n in scheduler_output.scheduled_new_reqs:
             for ids in n.block_ids or ():
                 out.extend(ids)
-        for ids in so.scheduled_cached_reqs.new_block_ids:
-            for group in ids or ():
+        for table in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for group in table or ():
                 out.extend(group)
         return out
 
     def _on_preempted(self, req_id: str, meta: KVTierMetadata) -> None:
-        st = self._reqs.get(req_id)
-        if st is None:
+        state = self._reqs.get(req_id)
+        if state is None:
             return
         meta.preempted.append(req_id)
-        st.tables = []
-        st.look_at = -1  # looked at again when resumed
+        state.tables = []
+        state.look_at = -1  # looked at again when resumed
         load = self._loads.pop(req_id, None)
         if load is not None:  # preempted before its load ran
             self._end_lease(load.lease_id)
         self.counters.preemptions += 1
 
-    def _track_tables(self, so: Any) -> list[tuple[_Request, int]]:
+    def _track_tables(self, scheduler_output: SchedulerOutput) -> list[tuple[_Request, int]]:
         """Keep every scheduled request's block table; returns the requests scheduled afresh (new or
         resumed: their tables are given whole) with their computed tokens, to be looked at now.
 
@@ -375,37 +381,38 @@ class SchedulerSide:
         """
         reqs = self._reqs
         fresh: list[tuple[_Request, int]] = []
-        for n in so.scheduled_new_reqs:  # first scheduled, or resumed under model runner V2
-            st = reqs.get(n.req_id)
-            if st is not None:
-                st.tables = [list(t) for t in n.block_ids] if n.block_ids is not None else []
-                fresh.append((st, n.num_computed_tokens))
-        cached = so.scheduled_cached_reqs
+        for n in scheduler_output.scheduled_new_reqs:  # first scheduled, or resumed under model runner V2
+            state = reqs.get(n.req_id)
+            if state is not None:
+                state.tables = [list(t) for t in n.block_ids] if n.block_ids is not None else []
+                fresh.append((state, n.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
         req_ids, new_ids = cached.req_ids, cached.new_block_ids
         resumed = cached.resumed_req_ids
         if resumed:  # model runner V1: a resumed request's block ids are its whole table
             for i, req_id in enumerate(req_ids):
-                if req_id in resumed and (st := reqs.get(req_id)) is not None:
+                if req_id in resumed and (state := reqs.get(req_id)) is not None:
                     ids = new_ids[i]
-                    st.tables = [list(t) for t in ids] if ids is not None else []
-                    fresh.append((st, cached.num_computed_tokens[i]))
-        for i in [i for i, ids in enumerate(new_ids) if ids is not None]:
-            req_id = req_ids[i]
-            if (st := reqs.get(req_id)) is not None and not (resumed and req_id in resumed):
-                if not st.tables:
-                    st.tables = [[] for _ in new_ids[i]]
-                for table, ids in zip(st.tables, new_ids[i], strict=True):
-                    table.extend(ids)
+                    state.tables = [list(t) for t in ids] if ids is not None else []
+                    fresh.append((state, cached.num_computed_tokens[i]))
+        for req_id, appended in zip(req_ids, new_ids, strict=True):
+            if appended is None or (resumed and req_id in resumed):
+                continue
+            if (state := reqs.get(req_id)) is not None:
+                if not state.tables:
+                    state.tables = [[] for _ in appended]
+                for table, added in zip(state.tables, appended, strict=True):
+                    table.extend(added)
         return fresh
 
-    def _look_at(self, st: _Request, step: int) -> None:
-        if st.look_at != step:  # once per step: a request is never looked at twice in one
-            st.look_at = step
-            self._looks.setdefault(step, []).append(st)
+    def _plan_at(self, state: _Request, step: int) -> None:
+        if state.look_at != step:  # once per step: a request is never looked at twice in one
+            state.look_at = step
+            self._plans_due.setdefault(step, []).append(state)
 
-    def _look(
+    def _plan_saves(
         self,
-        st: _Request,
+        state: _Request,
         step: int,
         computed: int,
         scheduled: dict[str, int],
@@ -420,48 +427,48 @@ class SchedulerSide:
         Were a step ever to add more, a look would come late, never wrong: save_range plans every
         chunk from the watermark on, while the request still holds its blocks.
         """
-        req_id = st.request.request_id
+        req_id = state.request.request_id
         new_valid = scheduled.get(req_id)
         if new_valid is None or computed < 0:  # not scheduled this step: look again at the next
-            self._look_at(st, step + 1)
+            self._plan_at(state, step + 1)
             return
         reached = computed + new_valid  # speculative tokens included: a bound, not the valid ones
         # Inside the quiet window no chunk completes and none moved back: save_range plans nothing.
-        if not (st.quiet_from <= computed and reached < st.quiet_until):
+        if not (state.quiet_from <= computed and reached < state.quiet_until):
             if spec and req_id in spec:
                 new_valid -= len(spec[req_id])
-            job = self._plan_save(st, computed, new_valid)
+            job = self._plan_save(state, computed, new_valid)
             if job is not None:
                 meta.saves.append(job)
-        if st.quiet_until == _NEVER:
-            st.look_at = -1
-        elif reached < st.request.num_tokens:  # still computing tokens it knows (a prompt)
-            self._look_at(st, step + 1)
+        if state.quiet_until == _NEVER:
+            state.look_at = -1
+        elif reached < state.request.num_tokens:  # still computing tokens it knows (a prompt)
+            self._plan_at(state, step + 1)
         else:
-            self._look_at(st, step + max(1, -(-(st.quiet_until - reached) // self._step_tokens)))
+            self._plan_at(state, step + max(1, -(-(state.quiet_until - reached) // self._step_tokens)))
 
-    def _set_watermark(self, st: _Request, watermark: int) -> None:
+    def _set_watermark(self, state: _Request, watermark: int) -> None:
         """Remember the save watermark and the token window in which no save can be due."""
-        st.watermark = watermark
-        chunk = self.geo.chunk_size
-        st.quiet_from = watermark * chunk
-        if not self.cfg.settings.save_decode and watermark >= st.request.num_prompt_tokens // chunk:
-            st.quiet_until = _NEVER  # every chunk this request will save is planned
+        state.watermark = watermark
+        chunk = self.geometry.chunk_size
+        state.quiet_from = watermark * chunk
+        if not self.cfg.settings.save_decode and watermark >= state.request.num_prompt_tokens // chunk:
+            state.quiet_until = _NEVER  # every chunk this request will save is planned
         else:
-            st.quiet_until = (watermark + 1) * chunk
+            state.quiet_until = (watermark + 1) * chunk
 
-    def _plan_save(self, st: _Request, computed: int, new_valid: int) -> SaveJob | None:
-        request = st.request
+    def _plan_save(self, state: _Request, computed: int, new_valid: int) -> SaveJob | None:
+        request = state.request
         limit = None if self.cfg.settings.save_decode else request.num_prompt_tokens
         hashes = request.block_hashes
-        rng = save_range(computed, new_valid, len(hashes), st.watermark, self.geo, limit)
-        self._set_watermark(st, rng.hi)
+        rng = save_range(computed, new_valid, len(hashes), state.watermark, self.geometry, limit)
+        self._set_watermark(state, rng.hi)
         if not rng.chunks or self.client is None or not self.cfg.saves:
             return None
-        bpc = self.geo.blocks_per_chunk
+        bpc = self.geometry.blocks_per_chunk
         job = SaveJob(request.request_id, [], [])
         for chunk in rng.chunks:
-            groups = self._chunk_groups(st, chunk, computed)
+            groups = self._chunk_groups(state, chunk, computed)
             if groups is None:
                 # Blocks not known (should not happen), or a window's blocks vLLM may have freed: a
                 # chunk past a missing one is never a hit, so save nothing past this point.
@@ -471,24 +478,24 @@ class SchedulerSide:
             job.block_ids.append(groups[0])
             if len(groups) > 1:
                 job.groups.append(groups[1:])
-            job.block_hashes.append(hashes[chunk * bpc : (chunk + 1) * bpc])
+            job.block_hashes.append(list(map(bytes, hashes[chunk * bpc : (chunk + 1) * bpc])))
         if not job.hashes:
             return None
-        st.saved_any = True
-        st.last_save = self._step
+        state.saved_any = True
+        state.last_save = self._step
         return job
 
-    def _chunk_groups(self, st: _Request, chunk: int, computed: int) -> list[list[int]] | None:
+    def _chunk_groups(self, state: _Request, chunk: int, computed: int) -> list[list[int]] | None:
         """The block ids to save into one chunk, per KV cache group, or None when one is missing."""
-        if len(st.tables) != len(self._reach):
+        if len(state.tables) != len(self._group_reach):
             return None
         groups = []
-        for table, reach in zip(st.tables, self._reach, strict=True):
+        for table, reach in zip(state.tables, self._group_reach, strict=True):
             try:
-                ids = chunk_block_ids(table, chunk, self.geo)
+                ids = chunk_block_ids(table, chunk, self.geometry)
             except ValueError:
                 return None
-            held = group_save_ids(ids, chunk, self.geo, reach, computed)
+            held = group_save_ids(ids, chunk, self.geometry, reach, computed)
             if held is None:
                 return None
             groups.append(held)
@@ -501,43 +508,47 @@ class SchedulerSide:
         if isinstance(done, KVTierWorkerMeta):
             self._saved_through = max(self._saved_through, done.saved_through)
         for req_id in getattr(output, "finished_recving", None) or ():
-            st = self._reqs.get(req_id)
-            if st is not None:
-                st.async_load_pending = False
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.async_load_pending = False
 
     # ------------------------------------------------------------------------------- lifecycle
-    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict | None]:
         """Release the lease; hold the blocks while saves (or an async load) may still read them.
         ``block_ids``: the request's blocks of every KV cache group."""
-        st = self._reqs.pop(request.request_id, None)
-        if st is None:
+        state = self._reqs.pop(request.request_id, None)
+        if state is None:
             return False, None
-        st.look_at = -1
-        self._release(st)
-        if st.lookup is not None:
-            self._end_lease(st.lookup.lease_id)
+        state.look_at = -1
+        self._release(state)
+        if state.lookup is not None:
+            self._end_lease(state.lookup.lease_id)
         load = self._loads.pop(request.request_id, None)
         if load is not None:  # planned but never sent: nothing reads the blocks
             self._end_lease(load.lease_id)
             return False, None
-        if st.async_load_pending:
+        if state.async_load_pending:
             return True, None  # the worker reports it in finished_recving when the copy ends
-        final = self._final_save(st, request, block_ids)
+        final = self._final_save(state, request, block_ids)
         if final is not None:
             self._final_saves.append(final)
         # Held while a save may still read its blocks: one planned now, or one the workers have not
         # reported ended (a step later, in get_finished, instead of freeing the blocks at once).
-        if final is not None or (st.saved_any and st.last_save > self._saved_through):
+        if final is not None or (state.saved_any and state.last_save > self._saved_through):
             self._held.append(request.request_id)
             return True, None
         return False, None
 
-    def _final_save(self, st: _Request, request: Any, block_ids: Sequence[Sequence[int]]) -> SaveJob | None:
+    def _final_save(
+        self, state: _Request, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> SaveJob | None:
         # Chunks whose hash appeared after their KV was written (async scheduling) and whose KV is
         # valid: the request's in-flight tokens are not computed yet.
         valid = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        st.tables = [list(ids) for ids in block_ids]
-        return self._plan_save(st, valid, 0)
+        state.tables = [list(ids) for ids in block_ids]
+        return self._plan_save(state, valid, 0)
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last call (reset on read); ``totals`` keeps the running sums."""
@@ -547,6 +558,6 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Release every lease this side still holds."""
-        for st in self._reqs.values():
-            self._release(st)
+        for state in self._reqs.values():
+            self._release(state)
         self._reqs.clear()

@@ -123,7 +123,7 @@ def v2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[V2Runn
     _, views = views_of(config, SPEC, KVCacheLayout.LBNHC)
     chunk_bytes = len(names) * (CHUNK // BLOCK) * SPEC.page_size_bytes
     arena = Arena.create(tmp_path, 4 * chunk_bytes, prefault=False)
-    monkeypatch.setattr(connector_module, "_connect", lambda cfg: _Client(arena, chunk_bytes))
+    monkeypatch.setattr(connector_module, "_connect", lambda cfg, respawns: _Client(arena, chunk_bytes))
     monkeypatch.setattr("kvtier.connector.worker.engine_cpus", lambda: frozenset({0, 1}))
     vllm_config = _vllm_config()
     conn = KVTierConnector(vllm_config, KVConnectorRole.WORKER, config)
