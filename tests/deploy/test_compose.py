@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
@@ -580,3 +581,57 @@ def test_interpolation_helper() -> None:
     assert interpolate("${A:+x}${B:+y}", env) == "x"
     with pytest.raises(AssertionError):
         interpolate("${B:?needed}", env)
+
+
+# ------------------------------------------------------------------ make compose-check's pure logic
+COMPOSE_CHECK = REPO / "deploy" / "compose-check"
+
+
+def _compose_check_module(name: str) -> Any:
+    """A module of deploy/compose-check (a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"compose_check_{name}", COMPOSE_CHECK / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compose_check_closing_line_and_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    """The check's closing line has the form CI reads; its size, env, metric and duration parsers."""
+    tally_mod = _compose_check_module("tally")
+    tally = tally_mod.Tally()
+    tally.check("a", True)
+    tally.check("b", False, "why")
+    assert tally.finish() == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "compose-check: 1 passed, 1 failed"
+    assert tally_mod.Tally().exit_code() == 1, "nothing passed is a failure"
+    assert tally_mod.size_bytes("1m") == 1 << 20 and tally_mod.size_bytes("512m") == 512 << 20
+    assert tally_mod.size_bytes("4gb") == tally_mod.size_bytes("4g") == 4 << 30
+    rendered = tally_mod.render_env("# c\nA=1\nB=2\n", {"B": "3", "C": "4"})
+    assert tally_mod.parse_env(rendered) == {"A": "1", "B": "3", "C": "4"} and "# c" in rendered
+    text = 'vllm:kvtier_hit_tokens_total{tier="cpu"} 3.0\nvllm:kvtier_hit_tokens_total{tier="disk"} 2\n'
+    assert tally_mod.metric_sum(text, "vllm:kvtier_hit_tokens_total") == 5
+    assert tally_mod.metric_sum(text, "vllm:kvtier_hit_tokens_total", tier="cpu") == 3
+    assert tally_mod.compose_duration("20m0s") == 1200 and tally_mod.compose_duration("1m30s") == 90
+    with pytest.raises(ValueError):
+        tally_mod.compose_duration("soon")
+
+
+def test_compose_check_stands_in_for_what_the_cpu_profile_pulls(raw: dict[str, Any]) -> None:
+    """Every base image the cpu profile and Prometheus need has a stand-in recipe in
+    deploy/compose-check/images, so a tag bumped in compose.yaml or a Dockerfile without its
+    stand-in fails here rather than in the check; the check's override touches vllm-cpu only."""
+    standins = _compose_check_module("standins")
+    needed = standins.images_needed(REPO, ["redis", "kvtier", "vllm-cpu", "prometheus"], raw)
+    assert "python:3.11.13-slim-bookworm" in needed and "redis:7.2.7-alpine" in needed
+    for image in needed:
+        assert image in standins.RECIPES, f"no stand-in recipe for {image}"
+        assert (COMPOSE_CHECK / "images" / standins.RECIPES[image]).exists()
+    override = yaml.safe_load((COMPOSE_CHECK / "compose.check.yaml").read_text())
+    assert set(override["services"]) == {"vllm-cpu"}
+    assert "TORCH_INDEX_URL" in override["services"]["vllm-cpu"]["build"]["args"]
+    cpu = DOCKERFILES["vllm-cpu"].read_text()
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu$", cpu, re.M)
