@@ -52,6 +52,7 @@ STARTUP_TIMEOUT_S = 30.0
 RESPAWN_TIMEOUT_S = 10.0  # a respawn starts warm (no first import of kvtier from a cold disk)
 PROBE_TIMEOUT_S = 0.5
 STALE_WAIT_S = 3.0
+STUCK_AFTER_S = 20.0  # a live service silent this long is stuck, not busy: it is replaced
 RESPAWN_BACKOFF_S = (0.5, 8.0)  # the wait before a respawn attempt: doubles per failure, capped
 
 
@@ -259,26 +260,42 @@ def _recorded(state: Path) -> tuple[int, str] | None:
         return None
 
 
-def clean_stale(sock: Path, state: Path, token: str = "") -> bool:
+def clean_stale(sock: Path, state: Path, token: str = "", patience: float = STUCK_AFTER_S) -> bool:
     """Remove what a dead service left: its socket, its arena (if unlocked) and its state file.
 
-    A recorded service that is still alive but not accepting is dying (kill -9 takes a moment to
-    release its files) or stuck: it gets a few seconds, then SIGTERM, before its files are taken.
-    Returns True (and touches nothing) when the recorded service answers after all.
+    A recorded service that is still alive is asked again and again for up to `patience` seconds: a
+    busy machine can keep a live service from answering for seconds, and one that is starting
+    writes its state before it listens. Only one that exits meanwhile (kill -9 takes a moment to
+    release its files) or stays silent throughout (stuck) loses its files; a stuck one gets SIGTERM,
+    then SIGKILL. Returns True (and touches nothing) when the recorded service answers.
     """
     pid, arena = _recorded(state) or (0, "")
     if pid and _pid_alive(pid) and _maybe_service(pid):
-        if probe(sock, token):
+        if _answers(sock, token, pid, patience):
             return True
-        if not _wait_gone(pid, STALE_WAIT_S) and _maybe_service(pid):
-            log.warning("terminating an unresponsive kvtier service", extra={"pid": pid})
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
-            _wait_gone(pid, STALE_WAIT_S)
+        if _pid_alive(pid) and _maybe_service(pid):
+            log.warning("terminating a kvtier service silent for %.0fs", patience, extra={"pid": pid})
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+                if _wait_gone(pid, STALE_WAIT_S):
+                    break
     if arena:
         _remove_unlocked_arena(arena)
     sock.unlink(missing_ok=True)
     state.unlink(missing_ok=True)
+    return False
+
+
+def _answers(sock: Path, token: str, pid: int, patience: float) -> bool:
+    """True once the service at sock answers a hello; False when pid exits first or patience ends."""
+    deadline = time.monotonic() + patience
+    while _pid_alive(pid):
+        if probe(sock, token, timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
     return False
 
 
@@ -355,6 +372,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, state: Path, token: s
     # Its process group: the process spawned and the service it may have forked (app/daemon.py).
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(STALE_WAIT_S)
     raise EmbeddedError(f"the kvtier service did not serve on {sock} within {timeout:.0f}s; killed it")
 
 
@@ -393,7 +412,7 @@ def _ensure_embedded(
     if probe(sock, token):
         return url, False
     # Another process may hold the lock while its own start runs for up to the longest timeout.
-    with _locked(lock, max(startup_timeout, STARTUP_TIMEOUT_S) + 2 * STALE_WAIT_S + 5.0):
+    with _locked(lock, max(startup_timeout, STARTUP_TIMEOUT_S) + STUCK_AFTER_S + 2 * STALE_WAIT_S + 5.0):
         if probe(sock, token):  # another process of the engine started it while we waited
             return url, False
         if clean_stale(sock, state, token):

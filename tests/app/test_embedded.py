@@ -17,6 +17,7 @@ from kvtier.app.client import ConstantBackoff, ServiceClient, ServiceUnavailable
 from kvtier.app.embedded import (
     Respawner,
     _locked,
+    clean_stale,
     ensure_service,
     paths_for,
     service_env,
@@ -148,7 +149,8 @@ def test_a_respawn_that_does_not_serve_in_time_is_killed_counted_and_tried_again
     try:
         for _ in range(3):
             respawn()
-            assert not _services_of(sock)  # killed, not left starting in the background
+            # Killed (SIGKILL lands asynchronously), not left starting in the background.
+            assert wait_until(lambda: not _services_of(sock), 10), _services_of(sock)
         assert (respawn.counts.started, respawn.counts.failed) == (0, 3)
         assert slept == [2.0, 3.0]  # 1 s doubled per failure in a row, capped at 3 s
         respawn.timeout = 30.0
@@ -322,3 +324,68 @@ def test_the_lock_stays_exclusive_while_holders_remove_it_and_sweeps_run(tmp_pat
     assert errors == []
     assert most[0] == 1
     assert list(tmp_path.iterdir()) == []
+
+
+# A process that looks like a service (its command line names kvtier.app.server): it starts listening
+# on argv[1] after argv[3] seconds, then answers nothing for argv[2] seconds (as a live service whose
+# loop a busy machine holds up), then answers every hello; with argv[2] negative, never.
+FAKE_SERVICE = """
+import socket, sys, time
+from kvtier.app import protocol as p
+path, delay, start = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+time.sleep(start)
+srv = socket.socket(socket.AF_UNIX)
+srv.bind(path)
+srv.listen(64)
+print("listening", flush=True)
+if delay < 0:
+    time.sleep(3600)
+time.sleep(delay)
+while True:
+    conn, _ = srv.accept()
+    try:
+        conn.sendall(p.FrameEncoder().encode(p.OkReply(id=1)))  # any reply frame is an answer
+    except OSError:
+        pass  # a probe that gave up meanwhile
+    conn.close()
+"""
+
+
+def _fake_service(tmp: Path, delay: float, start: float = 0.0) -> tuple[subprocess.Popen[str], Path, Path]:
+    sock, state = tmp / "svc.sock", tmp / "svc.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SERVICE, str(sock), str(delay), str(start), "kvtier.app.server"],
+        env=python_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    state.write_text(json.dumps({"pid": proc.pid, "arena": ""}))
+    return proc, sock, state
+
+
+def test_a_live_service_that_answers_slowly_or_starts_late_is_kept(tmp_path: Path) -> None:
+    """A busy machine can keep a live service from answering for seconds, and a starting one writes its
+    state before it listens: neither may be taken for dead and replaced."""
+    for delay, start in ((1.5, 0.0), (0.0, 1.5)):
+        proc, sock, state = _fake_service(tmp_path, delay, start)
+        try:
+            assert clean_stale(sock, state, patience=10.0)
+            assert proc.poll() is None and sock.exists() and state.exists()
+        finally:
+            proc.kill()
+            proc.wait(10)
+            sock.unlink(missing_ok=True)
+
+
+def test_a_service_silent_for_its_whole_patience_is_stopped_and_its_files_removed(tmp_path: Path) -> None:
+    proc, sock, state = _fake_service(tmp_path, delay=-1)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
+        assert not clean_stale(sock, state, patience=1.0)
+        assert proc.wait(10) == -signal.SIGTERM
+        assert not sock.exists() and not state.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
