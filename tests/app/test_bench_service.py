@@ -4,10 +4,12 @@ either ends the previous one in the same call or is followed by its release with
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -16,29 +18,37 @@ from kvtier.bench import service as bench
 from tests.app import thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
+REAL = kvtier.app.client.ServiceClient
+LOOKUP, RELEASE = inspect.signature(REAL.lookup), inspect.signature(REAL.release)
 
-class _Recorder(kvtier.app.client.ServiceClient):
-    """A ServiceClient that records the leases it looks up and releases."""
+
+class _Recorder(REAL):
+    """A real ServiceClient whose lookup and release record the leases they name, then run.
+
+    The recording wrappers are autospecced from ServiceClient's own methods and read the arguments
+    through their signatures: a call the real method would refuse fails here too, and a renamed or
+    removed parameter fails the test instead of being copied along.
+    """
 
     calls: list[tuple[Any, ...]] = []
 
-    def lookup(
-        self,
-        namespace: str,
-        hashes: list[bytes],
-        lease_id: str,
-        timeout: float | None = None,
-        *,
-        replaces: str = "",
-    ) -> Any:
-        """Record, then look up."""
-        self.calls.append(("lookup", lease_id, replaces, hashes[0]))
-        return super().lookup(namespace, hashes, lease_id, timeout, replaces=replaces)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        lookup, release = super().lookup, super().release
 
-    def release(self, lease_id: str) -> None:
-        """Record, then release (no answer comes)."""
-        self.calls.append(("release", lease_id))
-        super().release(lease_id)
+        def recorded_lookup(*a: Any, **kw: Any) -> Any:
+            got = LOOKUP.bind(self, *a, **kw)
+            got.apply_defaults()
+            args = got.arguments
+            self.calls.append(("lookup", args["lease_id"], args["replaces"], args["hashes"][0]))
+            return lookup(*a, **kw)
+
+        def recorded_release(*a: Any, **kw: Any) -> None:
+            self.calls.append(("release", RELEASE.bind(self, *a, **kw).arguments["lease_id"]))
+            release(*a, **kw)
+
+        self.lookup = mock.create_autospec(lookup, side_effect=recorded_lookup)  # type: ignore[method-assign]
+        self.release = mock.create_autospec(release, side_effect=recorded_release)  # type: ignore[method-assign]
 
 
 def test_each_measured_lookup_takes_a_new_lease_and_ends_the_last_without_an_answer(

@@ -273,12 +273,29 @@ def test_a_release_while_the_sweep_lingers_goes_out_without_waking_the_loop_thre
 def test_the_sweep_stops_once_the_client_was_idle_for_its_linger(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_loop, "SWEEP_LINGER_S", 0.05)
+    # An idle period is longer than the linger: the first sweep that finds nothing to do goes on
+    # (the linger starts), the next one stops.
+    monkeypatch.setattr(client_loop, "SWEEP_LINGER_S", client_loop.SWEEP_IDLE_PERIOD_S / 2)
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
+        # Whether the sweep is still on after each of its runs, in order (set before any call arms it).
+        after_runs: list[bool] = []
+        stopped = threading.Event()
+        sweep = client._sweep
+
+        def recorded() -> None:
+            sweep()
+            after_runs.append(client._sweeping)
+            if not client._sweeping:
+                stopped.set()
+
+        monkeypatch.setattr(client, "_sweep", recorded)
         assert client.health().result(5).serving
-        assert wait_until(lambda: not client._sweeping)  # no wake-ups go on while nothing happens
-        client.release("r0")  # starts it again
-        assert client._sweeping and wait_until(lambda: not client._sweeping)
+        assert stopped.wait(10)  # no wake-ups go on while nothing happens
+        del after_runs[:]
+        stopped.clear()
+        client.release("r0")  # starts it again: it sends the release, lingers once, stops
+        assert stopped.wait(10)
+        assert after_runs == [True, False]
 
 
 def test_a_client_with_nothing_due_leaves_its_loop_thread_asleep(
@@ -302,18 +319,22 @@ def test_a_client_with_nothing_due_leaves_its_loop_thread_asleep(
 def test_a_reply_nobody_read_reaches_its_call_before_the_deadline_sweep_fails_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)  # the next sweep: the deadline's
+    monkeypatch.setattr(client_loop, "SWEEP_IDLE_PERIOD_S", 60.0)  # no sweep comes by itself
     with thread_service(tmp_path) as svc, ServiceClient(svc.url) as client:
         assert client.wait_connected(5)
         channel = client._conn
         assert channel is not None
         outcome: list[BaseException | None] = []
+        swept = threading.Event()
         with channel.reading:  # a caller reads: the loop thread stops watching when the reply comes
-            call = client.health(timeout=0.3)
+            call = client.health(timeout=60)
             call.add_done_callback(lambda f: outcome.append(f.exception()))
-            assert wait_until(lambda: not channel.watched)
-        # The reply waits in the socket, unread; only the sweep at the call's deadline comes.
-        assert wait_until(lambda: outcome, 5)
+            assert wait_until(lambda: not channel.watched)  # the reply came: it waits in the socket
+            assert outcome == []
+        # Its deadline passes (set, not waited for) with the reply unread; then the sweep runs.
+        call.deadline = time.monotonic()
+        client._loop.call_soon_threadsafe(lambda: (client._sweep(), swept.set()))
+        assert swept.wait(10)
         assert outcome == [None]
 
 
@@ -322,13 +343,25 @@ def test_release_made_while_connecting_is_sent_once_connected(tmp_path: Path) ->
         with ServiceClient(svc.url) as client:
             _stored_and_leased(client, "r1")
             client.release("r1")
-        with ServiceClient(svc.url) as client:
-            # Right after construction, usually before the handshake: queued in order.
-            lookup = client.lookup(namespace_id(SPEC), hashes(4), "r2")
-            client.release("r2")
-            assert lookup.result(5).result.num_hit == 4
-            assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
-            assert client.stats().result(5)["leases_active"] == 0
+        assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+        # The service's loop is held: a new client connects (the socket's backlog takes it) and its
+        # hello waits unanswered, so the calls below are certainly made while it connects.
+        assert svc.loop is not None
+        held, resume = threading.Event(), threading.Event()
+        svc.loop.call_soon_threadsafe(lambda: (held.set(), resume.wait(60)))
+        try:
+            assert held.wait(5)
+            with ServiceClient(svc.url, timeout=60, connect_timeout=60) as client:
+                lookup = client.lookup(namespace_id(SPEC), hashes(4), "r2")
+                client.release("r2")
+                assert client._state == client_loop.CONNECTING and lookup in client._queue
+                resume.set()
+                # Queued in order: the lookup takes the lease, the release ends it.
+                assert lookup.result(5).result.num_hit == 4
+                assert client.stats().result(5)["leases_active"] == 0
+                assert svc.wait_for(lambda: svc.service.stats()["leases_active"] == 0)
+        finally:
+            resume.set()
 
 
 def test_close_sends_the_releases_it_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -440,22 +473,22 @@ def test_a_report_is_told_again_after_a_reconnect(tmp_path: Path) -> None:
 def silent_service(tmp: Path) -> Iterator[str]:
     """A unix socket that answers hello and nothing else; yields its path."""
     path = str(tmp / "silent.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()  # before the client is made: it connects at once
     stop = threading.Event()
-    server = threading.Thread(target=_silent_server, args=(path, stop), daemon=True)
+    server = threading.Thread(target=_silent_server, args=(srv, path, stop), daemon=True)
     server.start()
     try:
-        wait_until(lambda: Path(path).exists(), 5)
         yield path
     finally:
         stop.set()
         server.join(5)
+    assert not server.is_alive(), "the silent service did not stop"
 
 
-def _silent_server(path: str, stop: threading.Event) -> None:
-    """Answers hello, never anything else."""
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(path)
-    srv.listen()
+def _silent_server(srv: socket.socket, path: str, stop: threading.Event) -> None:
+    """Answers hello, never anything else; checks for stop between short waits on its sockets."""
     srv.settimeout(0.05)
     conns = []
     enc, dec = p.FrameEncoder(), p.request_decoder()
@@ -571,6 +604,7 @@ def test_thread_safe_calls_from_many_threads(tmp_path: Path) -> None:
             t.start()
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads), "a caller thread is still waiting"
         assert not failures, failures[:2]
         assert client.stats().result(5)["leases_active"] == 0
 
@@ -623,6 +657,7 @@ def test_close_wakes_a_caller_blocked_reading(tmp_path: Path) -> None:
         assert wait_until(lambda: client._conn is not None and client._conn.reading.locked(), 5)
         client.close()
         waiter.join(30)
+        assert not waiter.is_alive()
         # Woken by the close, not by its 30 s timeout (that would be a TimeoutError).
         assert len(outcome) == 1 and isinstance(outcome[0], ClientClosed)
 
@@ -641,6 +676,7 @@ def test_a_call_waited_on_from_several_threads_completes_for_each(tmp_path: Path
             t.start()
         for t in threads:
             t.join(30)
+        assert not any(t.is_alive() for t in threads), "a waiting thread never got its answers"
         assert results == [0] * 50
 
 
@@ -678,7 +714,7 @@ def test_a_call_is_a_future_before_and_after_it_completes() -> None:
     setter.start()
     waiter.join(10)
     setter.join(10)
-    assert not waiter.is_alive() and seen == [7, error] and raised == [error]
+    assert not waiter.is_alive() and not setter.is_alive() and seen == [7, error] and raised == [error]
     assert waited.finished() and waited.exception(0) is error
 
     cancelled = _call()
@@ -779,3 +815,4 @@ def test_a_lookup_reply_with_bad_packed_slots_fails_that_call_only(tmp_path: Pat
         listener.close()
         os.unlink(path)
         server.join(5)
+    assert not server.is_alive(), "the fake service still serves a connection the client closed"

@@ -412,6 +412,7 @@ def test_many_concurrent_clients(tmp_path: Path) -> None:
             t.start()
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads), "a client thread never finished"
         assert not errors, errors[:3]
         stats = svc.wait_for(lambda: (s := svc.service.stats())["connections"] == 0 and s)
         assert stats["leases_active"] == 0

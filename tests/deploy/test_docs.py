@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.skips import missing
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 DASHBOARD = REPO / "deploy" / "grafana-dashboard.json"
@@ -175,11 +177,9 @@ def anchors(path: Path) -> set[str]:
 
 def exported_kvtier_metrics() -> set[str]:
     """Family and sample names the service's /metrics exposes, from kvtier.app.metrics' own registry."""
-    try:
-        from kvtier.app.metrics import ServiceMetrics, build_registry
-        from kvtier.storage.base import StoreStats, TierStats
-    except ImportError as exc:
-        pytest.skip(f"kvtier.app.metrics not importable yet: {exc}")
+    from kvtier.app.metrics import ServiceMetrics, build_registry  # kvtier's own: an ImportError fails
+    from kvtier.storage.base import StoreStats, TierStats
+
     tiers = {name: TierStats(errors={"timeout": 1}) for name in ("cpu", "disk", "redis")}
     stats = StoreStats(
         tiers=tiers,
@@ -206,7 +206,7 @@ def known_vllm_metrics() -> set[str]:
     """Base names of vLLM's Prometheus metrics, read from the installed vLLM's source."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("vLLM is not installed")
+        missing("vLLM is not installed (make test installs its CPU build)")
     source = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics" / "loggers.py"
     names = set(re.findall(r"\"(vllm:[a-z_]+)\"", source.read_text()))
     # kvtier's connector registers its own families on vLLM's /metrics.

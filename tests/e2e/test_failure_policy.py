@@ -89,13 +89,13 @@ def test_failed_load_fails_only_its_request_and_stores_nothing(tiny_model: str, 
             sched = scheduler_connector(llm)._sched
             original = sched._start_lookup
 
-            def lookup_then_delete(st: Any, hashes: list[bytes], hold: bool = False) -> Any:
+            def lookup_then_delete(st: Any, hashes: list[bytes], *args: Any, **kwargs: Any) -> Any:
                 if list(st.request.prompt_token_ids) == A[1]:
                     # Behind the service's back: its index still lists the middle chunk, so A's
                     # lookup finds all three and the read of the middle one fails.
                     (path,) = disk.rglob(f"{hashes[1].hex()}.kvt")
                     path.unlink()
-                return original(st, hashes, hold=hold)
+                return original(st, hashes, *args, **kwargs)
 
             sched._start_lookup = lookup_then_delete
             before, s0, w0, local0 = svc.stats(), sched_counts(llm), worker_counts(), local_hits(llm)

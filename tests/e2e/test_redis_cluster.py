@@ -9,11 +9,7 @@ the dead shard's included: they were copied to the replica before the kill.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,7 +22,7 @@ from kvtier.connector.stats import merge_counts
 from kvtier.storage.base import NamespaceSpec, Tier
 from tests.e2e.oracle import assert_same_outputs
 from tests.e2e.service import RunningService, running_service
-from tests.reliability.conftest import wait_for
+from tests.reliability.conftest import before_lookup, wait_for
 from tests.support.redis_server import RedisClusterServers, RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -116,33 +112,6 @@ def redis_loads(d: dict[str, Any]) -> tuple[int, ...]:
 ALL_FROM_REDIS = (len(PROMPTS), HIT_TOKENS, HIT_TOKENS, 0, CHUNKS, 0)
 
 
-@contextlib.contextmanager
-def killed_after_lookups(
-    svc: RunningService, cluster: RedisClusterServers, victim: RedisServer, lookups: int
-) -> Iterator[dict[str, int]]:
-    """SIGKILL victim (from a thread) once the service has answered `lookups` lookups while the block
-    runs; yields a dict where the thread records how many it had answered then."""
-    seen: dict[str, int] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        while not done.is_set():
-            answered = svc.stats()["lookups"]
-            if answered >= lookups:
-                cluster.kill(victim)
-                seen["lookups_at_kill"] = answered
-                return
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=run, name="kill-primary", daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        done.set()
-        thread.join(30)
-
-
 def engine_config(svc: RunningService) -> dict[str, Any]:
     """kvtier on for an engine, served by svc."""
     return kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
@@ -174,10 +143,17 @@ def test_two_services_share_a_cluster_through_a_primary_failover(
             assert_same_outputs(expected, generate_each(llm, PROMPTS, MAX_TOKENS))
             shared = delta(counts(llm), before)
 
-            # The busiest primary is SIGKILLed once two requests of this batch were looked up.
+            # The busiest primary is SIGKILLed once two requests of this batch were looked up (one
+            # at a time), before the third's lookup starts.
             empty_cpu(svc_b)
-            before, lookups0 = counts(llm), svc_b.stats()["lookups"]
-            with killed_after_lookups(svc_b, cluster, victim, lookups0 + 2) as seen:
+            before = counts(llm)
+            seen: dict[str, int] = {}
+
+            def kill() -> None:
+                seen["lookups_at_kill"] = svc_b.stats()["lookups"]
+                cluster.kill(victim)
+
+            with before_lookup(llm, 3, kill) as killed:
                 during_kill = generate_each(llm, PROMPTS, MAX_TOKENS)
             outage, lookups_after = delta(counts(llm), before), svc_b.stats()["lookups"]
 
@@ -192,7 +168,7 @@ def test_two_services_share_a_cluster_through_a_primary_failover(
 
     assert redis_loads(shared) == ALL_FROM_REDIS
 
-    assert "lookups_at_kill" in seen, "the workload ended before the primary could be killed"
+    assert killed.is_set(), "the workload ended before the primary could be killed"
     assert seen["lookups_at_kill"] < lookups_after, "no lookup was served after the kill"
     assert_same_outputs(expected, during_kill)  # nothing failed: every request has the oracle's output
     assert (outage["admissions"], outage["lookup_errors"], outage["hit_tokens_cpu"]) == (len(PROMPTS), 0, 0)

@@ -15,10 +15,12 @@ within a batch vLLM's cache serves nothing, which each test checks with ``local_
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
@@ -120,12 +122,35 @@ def record_lookups(llm: Any) -> list[list[bytes]]:
     start = side._start_lookup
     seen: list[list[bytes]] = []
 
-    def recording(st: Any, hashes: list[bytes], hold: bool = False) -> Any:
+    def recording(st: Any, hashes: list[bytes], *args: Any, **kwargs: Any) -> Any:
         seen.append(list(hashes))
-        return start(st, hashes, hold=hold)
+        return start(st, hashes, *args, **kwargs)
 
     side._start_lookup = recording
     return seen
+
+
+@contextlib.contextmanager
+def before_lookup(llm: Any, n: int, action: Callable[[], object]) -> Iterator[threading.Event]:
+    """While the block runs, call action() on vLLM's scheduler thread right before the engine's
+    connector starts its n-th lookup (counted from 1): a fault injected at a known point of a
+    workload, not by a thread that races it. Yields an event set once action() has returned."""
+    side = scheduler_connector(llm)._sched
+    start = side._start_lookup
+    started = itertools.count(1)
+    done = threading.Event()
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if next(started) == n:
+            action()
+            done.set()
+        return start(*args, **kwargs)
+
+    side._start_lookup = counted
+    try:
+        yield done
+    finally:
+        side._start_lookup = start
 
 
 # ----------------------------------------------------------------------------------- counters

@@ -39,6 +39,7 @@ from tests.reliability.conftest import (
     wait_stored,
     worker_counts,
 )
+from tests.support.skips import missing
 
 pytestmark = pytest.mark.e2e
 
@@ -56,15 +57,16 @@ def tmpfs_wrap(mountpoint: Path, options: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def can_mount_privately(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Skip (saying why) where this machine allows no private mount namespace with a tmpfs."""
+    """Skip (saying why) where this machine allows no private mount namespace with a tmpfs; fail
+    instead under CI (tests.support.skips)."""
     if shutil.which("unshare") is None:
-        pytest.skip("util-linux unshare is not installed")
+        missing("util-linux unshare is not installed")
     point = tmp_path_factory.mktemp("mnt-probe")
     result = subprocess.run(
         [*tmpfs_wrap(point, "size=64k,ro"), "true"], capture_output=True, text=True, timeout=30
     )
     if result.returncode != 0:
-        pytest.skip(f"no private tmpfs mount possible here: {result.stderr.strip()}")
+        missing(f"no private tmpfs mount possible here: {result.stderr.strip()}")
 
 
 def _disk(stats: dict) -> dict:

@@ -15,7 +15,6 @@ the server is stopped (SIGTERM to its process group, as an operator or an orches
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,6 @@ from kvtier.bench.harness import kv_transfer_config
 from tests.reliability.conftest import wait_for
 from tests.reliability.openai_load import (
     admin_stats,
-    alive,
     free_port,
     kvtier_files,
     make_requests,
@@ -35,6 +33,7 @@ from tests.reliability.openai_load import (
     running_servers,
     service_pids,
 )
+from tests.support.processes import exits
 
 pytestmark = pytest.mark.e2e
 
@@ -112,10 +111,7 @@ def test_openai_server_under_load_matches_baseline_and_leaks_nothing(tiny_model:
         expected = run_load(base, requests, CONCURRENCY, MAX_TOKENS)
         files_running = kvtier_files(shm, runtime)
     # The server is stopped: its embedded service must go with it and take its files along.
-    deadline = time.monotonic() + 30
-    while alive(service) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    gone, left = not alive(service), kvtier_files(shm, runtime)
+    gone, left = exits(service, 30), kvtier_files(shm, runtime)
 
     failed = {**warm.errors, **load.errors, **expected.errors}
     assert not failed, f"failed requests: {failed}"

@@ -8,8 +8,6 @@ three prefix chunks.
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from tests.reliability.conftest import (
     PREFIX_TOKENS,
     Oracle,
     batch,
+    before_lookup,
     clear_cpu,
     delta,
     forget_local,
@@ -72,26 +71,12 @@ def test_redis_killed_mid_workload_then_restarted(
         assert_same_outputs(oracle(batch(a, 1)), generate_each(llm, batch(a, 1), MAX_TOKENS))
         up_hits, up_s = delta(svc.hit_tokens(), before), delta(sched_counts(llm), s0)
 
-        # kill -9 Redis while a workload runs: after the second lookup of this batch is served.
+        # kill -9 Redis while a workload runs: after the lookups of this batch's first two prompts
+        # (one at a time) were served, before the third's starts.
         clear_cpu(svc)
         forget_local(llm)
-        lookups0 = svc.stats()["lookups"]
-        probe = sp.svc.client  # type: ignore[union-attr]
-        killed = threading.Event()
-
-        def killer() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not killed.is_set():
-                if probe.stats().result(10)["lookups"] >= lookups0 + 2:
-                    redis_server_fn.kill()
-                    killed.set()
-                    return
-                time.sleep(0.01)
-
-        thread = threading.Thread(target=killer, daemon=True)
-        thread.start()
-        got = generate_each(llm, batch(a, 2), MAX_TOKENS)
-        thread.join(60)
+        with before_lookup(llm, 3, redis_server_fn.kill) as killed:
+            got = generate_each(llm, batch(a, 2), MAX_TOKENS)
         assert killed.is_set(), "the workload ended before Redis could be killed in its middle"
         assert_same_outputs(oracle(batch(a, 2)), got)
 

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from tests.reliability.conftest import (
     SHORT_MAX_TOKENS,
     Oracle,
     batch,
+    before_lookup,
     clear_cpu,
     delta,
     forget_local,
@@ -87,24 +87,11 @@ def test_standalone_service_sigkill_then_restart(
     cfg = kv_transfer_config(service_url=sp.url, chunk_size=CHUNK)
     with running_engine(tiny_model, cfg) as llm:
         assert_same_outputs(oracle(batch(first, 0)), generate_each(llm, batch(first, 0), MAX_TOKENS))
-        lookups0 = svc.stats()["lookups"]
-        killed = threading.Event()
-        client = svc.client
-
-        def killer() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if client.stats().result(10)["lookups"] >= lookups0 + 2:
-                    sp.kill()
-                    killed.set()
-                    return
-                time.sleep(0.01)
-
-        thread = threading.Thread(target=killer, daemon=True)
         forget_local(llm)
-        thread.start()
-        got = generate_each(llm, batch(first, 1), MAX_TOKENS)  # killed after its second lookup
-        thread.join(60)
+        # Killed in the middle of the batch: after its first two prompts' lookups were served (one
+        # prompt at a time), before the third's starts.
+        with before_lookup(llm, 3, sp.kill) as killed:
+            got = generate_each(llm, batch(first, 1), MAX_TOKENS)
         assert killed.is_set(), "the workload ended before the service could be killed"
         assert_same_outputs(oracle(batch(first, 1)), got)
 
@@ -208,9 +195,13 @@ def test_frozen_service_neither_stalls_vllm_nor_leaks(
         os.kill(sp.pid, signal.SIGSTOP)
         try:
             shorts = driver.ask(short_prompts(), concurrent=True, max_tokens=SHORT_MAX_TOKENS)
-            time.sleep(CALL_TIMEOUT_S + 1)  # every call sent meanwhile has timed out in the client
+            # Every call the engine sent meanwhile ends in its client (waited on, not slept for):
+            # the saves' reserve calls, given up on by the client at their deadline.
+            driver.send({"settle": True})
+            ended = driver.answer()["ended"]
         finally:
             os.kill(sp.pid, signal.SIGCONT)
+        assert ended and set(ended) == {"CallTimeout"}, f"calls in flight while frozen ended with {ended}"
         quiet = wait_settled(svc)
         leaked = quiet["slots_in_use"] - quiet["tiers"]["cpu"]["chunks"]
         if quiet["leases_active"] or leaked:
@@ -407,6 +398,9 @@ def _driver(job: dict[str, Any]) -> int:
             message = json.loads(line)
             if message.get("exit"):
                 break
+            if message.get("settle"):
+                print(MARK + json.dumps({"ended": _settle(llm)}), flush=True)
+                continue
             if message.get("forget"):
                 forget_local(llm)
             run = generate if message.get("concurrent") else generate_each
@@ -415,6 +409,20 @@ def _driver(job: dict[str, Any]) -> int:
             counts = {"sched": sched_counts(llm), "worker": worker_counts(), "local_hits": local_hits(llm)}
             print(MARK + json.dumps({"tokens": tokens, **counts}), flush=True)
     return 0
+
+
+def _settle(llm: Any) -> list[str]:
+    """Wait until every call the engine's clients have in flight has ended; how each ended (the
+    name of its error, or "answered")."""
+    ended = []
+    for client in (scheduler_connector(llm)._client, worker_connector()._client):
+        assert client is not None, "the connector has no client: it did not start serving"
+        with client._lock:
+            calls = [*client._pending.values(), *client._queue]
+        for call in calls:
+            error = call.exception()  # no timeout: the client's sweep fails it at its deadline
+            ended.append("answered" if error is None else type(error).__name__)
+    return ended
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--driver"]:

@@ -28,6 +28,7 @@ class FakeTier:
         self.gets: list[ChunkKey] = []
         self.deletes: list[ChunkKey] = []
         self.put_started = asyncio.Event()
+        self.stored = asyncio.Event()  # set once a put has stored its payload
         self.started = False
         self.closed = False
         self._stats = TierStats(capacity=1 << 40)
@@ -74,6 +75,7 @@ class FakeTier:
         self.puts.append(key)
         self._stats.stores += 1
         self._stats.bytes_written += len(payload)
+        self.stored.set()
         return True
 
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:

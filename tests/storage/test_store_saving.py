@@ -16,6 +16,7 @@ from kvtier.storage.base import (
     Tier,
 )
 from kvtier.storage.store import build_store
+from kvtier.storage.tiers.disk import DiskTier
 from tests.storage.store_env import (
     BIG,
     CHUNK,
@@ -216,7 +217,6 @@ async def test_build_store_from_settings(tmp_path: Path) -> None:
 
 
 async def test_build_store_with_the_disk_tier_survives_a_restart(tmp_path: Path) -> None:
-    DiskTier = pytest.importorskip("kvtier.storage.tiers.disk").DiskTier
     (tmp_path / "shm").mkdir()
     extra = {"shm_dir": str(tmp_path / "shm"), "cpu_size": "1MiB", "disk_path": str(tmp_path / "d")}
     settings = load_settings(extra, env={})

@@ -59,10 +59,7 @@ async def test_tiers_are_written_concurrently() -> None:
     slow.put_gate = asyncio.Event()
     h = Harness([slow, fast])
     h.offer(1)
-    for _ in range(50):
-        if key(1) in fast.data:
-            break
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(fast.stored.wait(), 10)
     assert key(1) in fast.data and key(1) not in slow.data  # fast finished while slow still waits
     assert h.done == []  # the slot stays held until every tier is done
     slow.put_gate.set()

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,6 +21,9 @@ from kvtier.storage.base import BlobError, BlobFormatError, ChunkKey, ClearableT
 from kvtier.storage.config import DiskConfig
 from kvtier.storage.tiers.disk import DiskTier
 from kvtier.storage.tiers.disk_files import TEMP_PREFIX, DiskIO
+from tests.support.skips import missing
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NS = "00112233445566ff"
 CHUNK = 4096
@@ -202,18 +209,48 @@ async def test_read_only_filesystem_injected(tmp_path: Path, code: int) -> None:
     await tier.close()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
-async def test_read_only_directory(tmp_path: Path) -> None:
-    tier = await started(tmp_path)
-    assert await tier.put(key(1), payload(1))
-    os.chmod(tmp_path, 0o555)
+async def _read_only_directory(path: Path) -> list[object]:
+    """In a process that directory permissions bind: a put into read-only directories and a read."""
+    tier = await started(path)
+    stored = await tier.put(key(1), payload(1))
+    folders = [folder for folder, _, _ in os.walk(path)]  # every one: key 2 goes beside key 1
+    for folder in folders:
+        os.chmod(folder, 0o555)
     try:
-        assert not await tier.put(key(2), payload(2))
-        assert await read(tier, 1) == bytes(payload(1))
-        assert tier.stats().errors == {"eacces": 1}
+        refused = not await tier.put(key(2), payload(2))
+        kept = await read(tier, 1) == bytes(payload(1))
+        errors = tier.stats().errors
     finally:
-        os.chmod(tmp_path, 0o755)
+        for folder in folders:
+            os.chmod(folder, 0o755)
     await tier.close()
+    return [stored, refused, kept, errors]
+
+
+def test_read_only_directory(tmp_path: Path) -> None:
+    # Root ignores directory permissions (CAP_DAC_OVERRIDE), and CI runs as root: the check runs in a
+    # child process that has dropped the capabilities that override them (a setuid to nobody would
+    # leave it unable to reach this Python, installed under /root).
+    drop = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            missing("util-linux setpriv is not installed (it drops root's capabilities for this check)")
+        caps = "-dac_override,-dac_read_search"
+        drop = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    code = (
+        "import asyncio, json, sys; from pathlib import Path; "
+        "from tests.storage_lower.test_disk_tier import _read_only_directory; "
+        "print(json.dumps(asyncio.run(_read_only_directory(Path(sys.argv[1])))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run(
+        [*drop, sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    stored, refused, kept, errors = json.loads(child.stdout.strip().splitlines()[-1])
+    assert (stored, refused, kept) == (True, True, True)
+    assert errors == {"eacces": 1}
 
 
 async def test_unwritable_root_marks_unhealthy(tmp_path: Path) -> None:
@@ -380,7 +417,7 @@ def test_preallocate_sizes_the_file(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if not DiskIO().preallocate(fd, 3 * 4096 + 5):
-            pytest.skip("this filesystem has no fallocate")
+            missing(f"the filesystem of {tmp_path} has no fallocate")
         assert os.fstat(fd).st_size == 3 * 4096 + 5
     finally:
         os.close(fd)
@@ -462,7 +499,6 @@ class PolicyIO(DiskIO):
         return super().preadv(fd, buffers, offset)
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling policy here")
 async def test_writes_take_only_idle_cpu_time_and_reads_keep_their_priority(tmp_path: Path) -> None:
     # Nobody waits for a write (write-behind), while a hit's load is on its request's path.
     io = PolicyIO()

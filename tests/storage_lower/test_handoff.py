@@ -248,7 +248,6 @@ def test_handoff_without_companion_runs_in_the_caller() -> None:
     handoff.settle()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling policy here")
 async def test_idle_threads_and_their_companions_run_only_on_cpu_time_nothing_else_wants() -> None:
     def policies() -> tuple[int, int]:
         lane = companion(COMPANION_MIN_BYTES)

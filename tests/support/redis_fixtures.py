@@ -3,31 +3,33 @@
 Register from the root conftest with ``pytest_plugins = ["tests.support.redis_fixtures"]``.
 
 Tests that need a server skip when redis-server is not installed, and fail instead when CI=true (there
-a missing server is a broken install). Every fixture stops its processes in a finally block, so a
-failing test leaves nothing running.
+a missing server is a broken install): the suite's one skip policy, tests.support.skips. Every
+fixture stops its processes in a finally block, so a failing test leaves nothing running.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support.redis_server import RedisClusterServers, RedisServer, have_redis_server
+from tests.support.skips import missing
 
 TEST_PASSWORD = "kvtier-test-secret"
 
 
 def need_redis() -> None:
-    """Skip the test when redis-server is missing; fail it instead when CI=true (or 1, yes)."""
-    if have_redis_server():
-        return
-    # `make test` installs redis-server; in CI a missing one is a broken install, not a reason to skip.
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("redis-server is not installed (make test installs it through apt)")
-    pytest.skip("redis-server is not installed")
+    """Skip the test when redis-server is missing; fail it instead under CI (tests.support.skips)."""
+    if not have_redis_server():
+        missing("redis-server is not installed (make test installs it through apt)")
+
+
+@pytest.fixture
+def redis_installed() -> None:
+    """need_redis() as a fixture, for tests that start their own servers."""
+    need_redis()
 
 
 @pytest.fixture(scope="module")
