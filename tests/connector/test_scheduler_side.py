@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.app.client import LookupReply, ServiceUnavailable
+from kvtier.app.client import LookupReply, ServiceClient, ServiceUnavailable
 from kvtier.app.settings import KVTierSettings
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import KVTierWorkerMeta
@@ -96,8 +97,18 @@ class FakeClient:
     def release(self, lease_id: str) -> None:
         self.released.append(lease_id)
 
-    def hello(self, spec: NamespaceSpec | None = None) -> None:
+    def hello(self, spec: NamespaceSpec | None = None, timeout: float | None = None) -> None:
         self.registered.append(spec)
+
+
+def test_the_fake_client_takes_the_real_clients_parameters() -> None:
+    """FakeClient stands in for ServiceClient: a changed signature of the real one fails here."""
+    for name in ("lookup", "release", "hello"):
+        real = inspect.signature(getattr(ServiceClient, name)).parameters
+        fake = inspect.signature(getattr(FakeClient, name)).parameters
+        assert [(p.name, p.kind, p.default) for p in real.values()] == [
+            (p.name, p.kind, p.default) for p in fake.values()
+        ], name
 
 
 class FakeRequest:
