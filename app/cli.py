@@ -300,7 +300,7 @@ def _add_clear(sub: argparse._SubParsersAction) -> None:
         description=(
             "Drop every chunk of the named tiers (default: all) from a running service and print how"
             " many were dropped. Chunks leased by a lookup whose load is pending are kept. A Redis"
-            " tier shared by other services is cleared for them too."
+            " tier or an object tier's bucket prefix shared by other services is cleared for them too."
         ),
     )
     clear.add_argument(
@@ -312,7 +312,8 @@ def _add_clear(sub: argparse._SubParsersAction) -> None:
     )
     clear.add_argument("--url", help="service address (default: service_url or the default socket)")
     clear.add_argument("--json", action="store_true", help="print one JSON object")
-    # Clearing Redis scans its keys: allow more than a stats call needs.
+    # Clearing Redis scans its keys, clearing the object tier LISTs its prefix: allow more than a
+    # stats call needs.
     clear.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default 30)")
     clear.set_defaults(func=_cmd_clear)
 

@@ -29,7 +29,7 @@ from kvtier.storage.base import ChunkKey, NamespaceSpec, Tier
 
 # The medium each tier's events name. vLLM's own are GPU, CPU (its native CPU offloading) and
 # STORAGE; kvtier's CPU tier is named apart from vLLM's so a router can tell the two caches apart.
-MEDIUM = {Tier.CPU: "CPU_KVTIER", Tier.DISK: "DISK", Tier.REDIS: "REDIS"}
+MEDIUM = {Tier.CPU: "CPU_KVTIER", Tier.DISK: "DISK", Tier.REDIS: "REDIS", Tier.OBJECT: "OBJECT"}
 OWNERSHIP = "kvtier"  # BlockStored/BlockRemoved.ownership: the secondary tier that sent the event
 
 HashFormat = Literal["int", "bytes"]

@@ -22,11 +22,18 @@ import yaml
 from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvtier.storage.config import DiskConfig, RedisConfig, StorageConfig, StoreConfig, redact_url
+from kvtier.storage.config import (
+    DiskConfig,
+    ObjectConfig,
+    RedisConfig,
+    StorageConfig,
+    StoreConfig,
+    redact_url,
+)
 
 ENV_PREFIX = "KVTIER_"
 CONFIG_FILE_ENV = "KVTIER_CONFIG_FILE"
-SECRET_FIELDS = frozenset({"auth_token", "redis_url"})
+SECRET_FIELDS = frozenset({"auth_token", "redis_url", "object_endpoint"})
 
 Source = Literal["default", "yaml", "env", "extra_config"]
 
@@ -45,6 +52,8 @@ log = logging.getLogger("kvtier.settings")
 SERVICE_SCHEMES = ("unix", "tcp")
 EVENTS_SCHEMES = ("tcp", "ipc")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+# S3's bucket naming rules (3-63 characters: lower-case letters, digits, dots and hyphens).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 class SettingsError(ValueError):
@@ -87,6 +96,37 @@ class KVTierSettings(BaseSettings):
     redis_ttl: int = Field(86400, ge=0, description="Seconds a chunk lives in Redis; 0 = no expiry.")
     redis_timeout: float = Field(1.0, gt=0, description="Seconds allowed for one Redis call.")
     redis_pool_size: int = Field(8, ge=1, le=256, description="Parallel Redis connections.")
+    object_url: str = Field(
+        "",
+        description=(
+            "Object storage tier (S3 API) as s3://bucket/prefix, below Redis; empty = off. Credentials "
+            "and region come from the standard AWS variables and files, never from kvtier's settings."
+        ),
+    )
+    object_endpoint: str = Field(
+        "",
+        description="S3-compatible endpoint, http(s)://host:port (SeaweedFS, MinIO, Ceph RGW); empty = AWS.",
+    )
+    object_size: ByteSize = Field(
+        ByteSize(100 << 30),
+        description=(
+            "Bytes kvtier keeps in the object tier (least recently used objects deleted beyond it); "
+            "0 = no eviction by kvtier (a bucket lifecycle rule expires objects instead)."
+        ),
+    )
+    object_timeout: float = Field(
+        10.0, gt=0, description="Seconds allowed for one object-store call, its retries included."
+    )
+    object_refresh: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds between two LISTs of the object tier's prefix (other nodes' chunks are "
+        "found within about this long).",
+    )
+    object_write_bytes: ByteSize = Field(
+        ByteSize(256 << 20),
+        description="Bytes of uploads to the object tier in flight; beyond it writes are dropped, counted.",
+    )
     breaker_period: float = Field(
         5.0, gt=0, description="Seconds a failing tier is skipped before it is tried again."
     )
@@ -222,6 +262,31 @@ class KVTierSettings(BaseSettings):
             raise ValueError("needs a host, e.g. redis://127.0.0.1:6379/0")
         return value
 
+    @field_validator("object_url")
+    @classmethod
+    def _check_object_url(cls, value: str) -> str:
+        if not value:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme != "s3":
+            raise ValueError("expected s3://bucket/prefix")
+        if not _BUCKET.fullmatch(parts.netloc or "") or ".." in parts.netloc:
+            raise ValueError(
+                f"bucket {parts.netloc!r} is not a valid bucket name (3-63 lower-case letters, digits, "
+                "dots and hyphens)"
+            )
+        return value
+
+    @field_validator("object_endpoint")
+    @classmethod
+    def _check_object_endpoint(cls, value: str) -> str:
+        if not value:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected http(s)://host[:port]")
+        return value
+
     @field_validator("cpu_size")
     @classmethod
     def _check_cpu_size(cls, value: ByteSize) -> ByteSize:
@@ -325,6 +390,15 @@ def storage_config(settings: KVTierSettings) -> StorageConfig:
         pool_size=settings.redis_pool_size,
         breaker_period=settings.breaker_period,
     )
+    objects = ObjectConfig(
+        url=settings.object_url,
+        endpoint=settings.object_endpoint,
+        capacity=int(settings.object_size),
+        timeout=settings.object_timeout,
+        refresh_period=settings.object_refresh,
+        write_bytes=int(settings.object_write_bytes),
+        breaker_period=settings.breaker_period,
+    )
     return StorageConfig(
         shm_dir=settings.shm_dir,
         cpu_size=int(settings.cpu_size),
@@ -335,6 +409,7 @@ def storage_config(settings: KVTierSettings) -> StorageConfig:
         ),
         disk=disk if settings.disk_path else None,
         redis=redis if settings.redis_url else None,
+        object=objects if settings.object_url else None,
     )
 
 
@@ -342,7 +417,7 @@ def display_value(name: str, value: Any) -> Any:
     """A value as it may be shown to a person: secrets masked."""
     if name == "auth_token":
         return "***" if value else ""
-    if name == "redis_url":
+    if name in ("redis_url", "object_endpoint"):
         return redact_url(value) if isinstance(value, str) else "***"
     return int(value) if isinstance(value, ByteSize) else value
 

@@ -33,6 +33,7 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
     "hit_tokens_cpu": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "cpu")),
     "hit_tokens_disk": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "disk")),
     "hit_tokens_redis": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "redis")),
+    "hit_tokens_object": ("vllm:kvtier_hit_tokens", "Hit tokens by tier.", ("tier", "object")),
     "lookups_deferred": (
         "vllm:kvtier_lookups_deferred",
         "Lookups not answered within the budget (asked again next step).",

@@ -44,6 +44,7 @@ class SchedulerCounters(_Counts):
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
     hit_tokens_redis: int = 0
+    hit_tokens_object: int = 0
     lookups_deferred: int = 0
     lookup_errors: int = 0
     lookup_count: int = 0

@@ -32,6 +32,7 @@ class Tier(enum.IntEnum):
     CPU = 0
     DISK = 1
     REDIS = 2
+    OBJECT = 3  # object storage through the S3 API: the fleet's shared bulk tier
 
     @property
     def label(self) -> str:
@@ -298,7 +299,8 @@ class StoreStats:
 # ---------------------------------------------------------------------------------------------- tiers
 @runtime_checkable
 class LowerTier(Protocol):
-    """A tier below the CPU arena (disk, Redis). Every method returns misses and failures as values.
+    """A tier below the CPU arena (disk, Redis, object storage); every method returns misses and
+    failures as values.
 
     Contract: no method raises for an I/O failure, a missing key or a corrupt blob; each is counted in
     ``stats()`` and reported as False. Payload buffers are borrowed for the call only.

@@ -40,6 +40,26 @@ class RedisConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ObjectConfig:
+    """The object tier (S3 API): bucket URL, endpoint, budget and how calls are bounded.
+
+    Credentials and region are not here: the client reads them from the standard AWS variables and
+    files (never kvtier's settings). capacity 0 leaves eviction to the bucket's lifecycle rule.
+    """
+
+    url: str  # s3://bucket/prefix
+    endpoint: str = ""  # an S3-compatible endpoint; empty = AWS
+    capacity: int = 100 << 30
+    timeout: float = 10.0  # seconds for one call, its retries included
+    refresh_period: float = 30.0  # seconds between two LISTs that refresh the index
+    write_bytes: int = 256 << 20  # bytes of uploads in flight; a put beyond it is dropped
+    part_size: int = 16 << 20  # blobs larger upload as multipart in parts this size (5 MiB at least)
+    retries: int = 2  # retries of a failed call (5xx, SlowDown, connection), with backoff
+    backoff: float = 0.1  # seconds before the first retry, doubled each time
+    breaker_period: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
 class StorageConfig:
     """Everything ``build_store`` needs: the arena's tmpfs directory and size, and each tier's config."""
 
@@ -48,6 +68,7 @@ class StorageConfig:
     store: StoreConfig = StoreConfig()
     disk: DiskConfig | None = None
     redis: RedisConfig | None = None
+    object: ObjectConfig | None = None
 
 
 def redact_url(url: str) -> str:

@@ -494,7 +494,7 @@ class TieredStore:
 async def build_store(
     config: StorageConfig, clock: Clock = time.monotonic, listener: TierListener | None = None
 ) -> TieredStore:
-    """The store the config describes: arena in shm_dir, disk and Redis tiers when configured;
+    """The store the config describes: arena in shm_dir, disk, Redis and object tiers when configured;
     listener (KV events) is told of every chunk that enters or leaves any tier, the disk index's
     load included."""
     arena = Arena.create(config.shm_dir, config.cpu_size)
@@ -509,6 +509,11 @@ async def build_store(
             from kvtier.storage.tiers.redis import RedisTier
 
             lower.append(RedisTier(config.redis, listener=listener))
+            await lower[-1].start()
+        if config.object is not None:
+            from kvtier.storage.tiers.object import ObjectTier
+
+            lower.append(ObjectTier(config.object, listener=listener))
             await lower[-1].start()
         return TieredStore(arena, lower, config.store, clock, listener)
     except BaseException:

@@ -9,7 +9,7 @@ import pytest
 from kvtier.connector import faults
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
-pytest_plugins = ["tests.support.redis_fixtures"]
+pytest_plugins = ["tests.support.redis_fixtures", "tests.support.object_fixtures"]
 
 
 @pytest.fixture(autouse=True)

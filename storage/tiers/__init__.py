@@ -1,1 +1,1 @@
-"""Tiers below and beside the arena: CPU index, disk, Redis."""
+"""Tiers below and beside the arena: CPU index, disk, Redis, object storage (S3 API)."""

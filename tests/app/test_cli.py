@@ -287,7 +287,7 @@ def test_clear_names_an_unknown_tier_and_the_allowed_ones(
     bad = [name for name in tier.lower().split(",") if name and name not in ("cpu", "disk", "redis")]
     what = f"unknown tier {bad[0]!r}" if bad else "no tier named"
     assert code == 2 and not out
-    assert f"argument --tier: {what}; allowed: cpu, disk, redis" in err
+    assert f"argument --tier: {what}; allowed: cpu, disk, redis, object" in err
 
 
 def test_clear_of_an_unreachable_service_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

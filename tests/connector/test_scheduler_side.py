@@ -643,3 +643,16 @@ def test_chunks_whose_window_blocks_vllm_freed_are_not_saved() -> None:
     new = SimpleNamespace(req_id="a", block_ids=tables, num_computed_tokens=192)
     meta = side.build_connector_meta(_output(new=[new], scheduled={"a": 64}))
     assert meta.saves == [] and side.counters.unsaved_chunks == 4
+
+
+def test_every_tier_has_a_hit_counter_and_a_metric() -> None:
+    """A tier added to storage.base.Tier is counted and exported, never an AttributeError in vLLM."""
+    from kvtier.connector.prom import COUNTERS
+    from kvtier.connector.stats import SchedulerCounters
+
+    counters = SchedulerCounters()
+    counters.count_hits({tier: 64 for tier in Tier})
+    counts = counters.take()
+    for tier in Tier:
+        assert counts[f"hit_tokens_{tier.label}"] == 64, tier
+        assert COUNTERS[f"hit_tokens_{tier.label}"][2] == ("tier", tier.label), tier

@@ -44,7 +44,7 @@ PROMPTS = [make_prompt(200, 330), make_prompt(201, 270)]
 STORED = sum(len(p) // CHUNK for p in PROMPTS)  # 5 + 4 full chunks
 HIT = sum(expected_external(len(p) // CHUNK, 0, len(p), CHUNK) for p in PROMPTS)  # 320 + 256
 DOOMED = [1, 3]  # chunks of PROMPTS[0] deleted from disk between its lookup and its load
-NO_HITS = {"cpu": 0, "disk": 0, "redis": 0}
+NO_HITS = {"cpu": 0, "disk": 0, "redis": 0, "object": 0}
 PREEMPTION_PROMPTS = [make_prompt(11, PREEMPTION_PROMPT_LEN), make_prompt(12, PREEMPTION_PROMPT_LEN)]
 
 

@@ -71,7 +71,7 @@ def test_prefix_reuse_loads_chunks_and_keeps_outputs(tiny_model: str, baseline, 
     assert_same_outputs(baseline["follow_ups"], got)
     # The second prompt shares 300 tokens: 4 full chunks of 64 were stored by the first and loaded.
     assert REUSED == 4 * CHUNK
-    assert hits == {"cpu": REUSED, "disk": 0, "redis": 0}
+    assert hits == {"cpu": REUSED, "disk": 0, "redis": 0, "object": 0}
     assert sched["external_tokens"] == REUSED and sched["hit_tokens_cpu"] == REUSED
     assert work["loaded_tokens"] == REUSED
     assert work["failed_load_blocks"] == 0

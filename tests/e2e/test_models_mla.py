@@ -108,7 +108,7 @@ def test_refused_at_vllms_defaults_where_vllm_turns_its_prefix_cache_off(
         assert reason.startswith("kvtier does not serve MLA (MLAAttentionSpec) on vLLM's CPU platform")
     assert_same_outputs(vllm_own["cold"], got)
     assert_same_outputs(vllm_own["cold"], got_again)  # recomputed: neither vLLM nor kvtier served it
-    assert hits == {"cpu": 0, "disk": 0, "redis": 0} and serving == [None, None]
+    assert hits == {"cpu": 0, "disk": 0, "redis": 0, "object": 0} and serving == [None, None]
 
 
 def test_hits_from_every_tier_and_a_failed_load(

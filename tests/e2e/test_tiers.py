@@ -52,15 +52,15 @@ def test_hits_from_cpu_then_disk_then_redis(
             assert worker_totals()["disk_read_chunks"] - read_before == STORED
             assert wait_until(lambda: svc.stats()["tiers"]["disk"]["hits"] == STORED, 10)
     assert HIT == STORED * CHUNK
-    assert cpu_hits == {"cpu": HIT, "disk": 0, "redis": 0}
-    assert disk_hits == {"cpu": HIT, "disk": HIT, "redis": 0}
+    assert cpu_hits == {"cpu": HIT, "disk": 0, "redis": 0, "object": 0}
+    assert disk_hits == {"cpu": HIT, "disk": HIT, "redis": 0, "object": 0}
     # A fresh service with no disk tier and an empty CPU tier: only Redis has the chunks.
     with running_service(tmp_path / "svc2", redis_url=redis_server.url) as svc:
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
         with running_engine(tiny_model, cfg) as llm:
             assert_same_outputs(expected, generate_each(llm, PROMPTS, 10))
         redis_hits = svc.hit_tokens()
-    assert redis_hits == {"cpu": 0, "disk": 0, "redis": HIT}
+    assert redis_hits == {"cpu": 0, "disk": 0, "redis": HIT, "object": 0}
 
 
 def test_two_engines_share_one_service(tiny_model: str, expected: Outputs, tmp_path: Path) -> None:
@@ -83,4 +83,4 @@ def test_two_engines_share_one_service(tiny_model: str, expected: Outputs, tmp_p
     assert_same_outputs(expected, first)
     assert_same_outputs(expected, second)
     assert stores == STORED, "engine A stored its chunks through the multi-process layout"
-    assert hits == {"cpu": HIT, "disk": 0, "redis": 0}, "engine B loaded what engine A stored"
+    assert hits == {"cpu": HIT, "disk": 0, "redis": 0, "object": 0}, "engine B loaded what engine A stored"

@@ -100,7 +100,7 @@ def test_read_only_disk_is_counted_and_never_served(
     assert local == 0
     assert misses["lookup_count"] == len(groups) and misses["lookup_errors"] == 0, misses
     assert misses["external_tokens"] == 0, misses
-    assert delta(after["hit_tokens"], hits0) == {"cpu": 0, "disk": 0, "redis": 0}
+    assert delta(after["hit_tokens"], hits0) == {"cpu": 0, "disk": 0, "redis": 0, "object": 0}
 
 
 def test_full_disk_is_counted_and_what_fit_is_served(
@@ -145,7 +145,7 @@ def test_full_disk_is_counted_and_what_fit_is_served(
     answered = sum(_leading(hashes, on_disk) for hashes in looked_up) * CHUNK
     assert served >= CHUNK, f"none of the chunks that fit is the first of its prefix: {on_disk}"
     assert local == 0
-    assert hits == {"cpu": 0, "disk": answered, "redis": 0}, hits
+    assert hits == {"cpu": 0, "disk": answered, "redis": 0, "object": 0}, hits
     assert lookups["external_tokens"] == served, lookups
     assert loads["loaded_tokens"] == served and loads["failed_load_chunks"] == 0, loads
 

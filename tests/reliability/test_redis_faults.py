@@ -102,7 +102,7 @@ def test_redis_killed_mid_workload_then_restarted(
         after, back_s = svc.stats(), delta(sched_counts(llm), s1)
         local = local_hits(llm) - local0
     # Redis up: every prefix came from Redis alone, none from vLLM's own cache (emptied before each batch).
-    assert up_hits == {"cpu": 0, "disk": 0, "redis": len(a) * PREFIX_TOKENS}, up_hits
+    assert up_hits == {"cpu": 0, "disk": 0, "redis": len(a) * PREFIX_TOKENS, "object": 0}, up_hits
     assert up_s["external_tokens"] == len(a) * PREFIX_TOKENS, up_s
     assert local == 0
     assert down_s["admissions"] == len(a), down_s
@@ -114,7 +114,9 @@ def test_redis_killed_mid_workload_then_restarted(
     assert errors.get("connection", 0) >= 1, errors
     assert errors.get("unavailable", 0) >= 1, errors
     resumed = delta(after["hit_tokens"], before)
-    assert resumed == {"cpu": 0, "disk": 0, "redis": len(b) * PREFIX_TOKENS}, f"hits resumed: {resumed}"
+    assert resumed == {"cpu": 0, "disk": 0, "redis": len(b) * PREFIX_TOKENS, "object": 0}, (
+        f"hits resumed: {resumed}"
+    )
     assert back_s["external_tokens"] == len(b) * PREFIX_TOKENS, back_s
     assert after["tiers"]["redis"]["healthy"], after["tiers"]["redis"]
 
@@ -173,7 +175,7 @@ def test_slow_redis_never_blocks_the_scheduler(
     assert_same_outputs(oracle(batch(groups, 2)), got)
     assert delayed > 0, "Redis replies went through the slow proxy"
     served = len(groups) * PREFIX_TOKENS
-    assert hits == {"cpu": 0, "disk": 0, "redis": served}, (
+    assert hits == {"cpu": 0, "disk": 0, "redis": served, "object": 0}, (
         f"slow Redis still served every stored prefix: {slow_stats}"
     )
     assert slow["external_tokens"] == served, (slow, slow_stats)
