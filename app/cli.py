@@ -41,6 +41,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu-check": ("kvtier.bench.gpu_check", "correctness of the CUDA copy path (CPU part runs anywhere)"),
     "serve": ("kvtier.bench.serve", "vllm bench serve: prefix cache alone, with kvtier, and its ceiling"),
     "kill": ("kvtier.bench.serve_kill", "vllm bench serve with the embedded service killed mid-run"),
+    "signing": ("kvtier.bench.signing", "a shared tier's MAC against the checksum every load pays"),
 }
 
 

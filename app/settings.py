@@ -30,10 +30,11 @@ from kvtier.storage.config import (
     StoreConfig,
     redact_url,
 )
+from kvtier.storage.signing import parse_secrets, read_secret_file
 
 ENV_PREFIX = "KVTIER_"
 CONFIG_FILE_ENV = "KVTIER_CONFIG_FILE"
-SECRET_FIELDS = frozenset({"auth_token", "redis_url", "object_endpoint"})
+SECRET_FIELDS = frozenset({"auth_token", "redis_url", "object_endpoint", "tier_key"})
 
 Source = Literal["default", "yaml", "env", "extra_config"]
 
@@ -194,6 +195,18 @@ class KVTierSettings(BaseSettings):
             "vLLM's); 'auto' = text for the embedded service (in vLLM's log), json for kvtier serve."
         ),
     )
+    tier_key: str = Field(
+        "",
+        description=(
+            "Secret(s) that sign and verify every chunk in Redis and the object tier, each at least "
+            "256 bits as hex or base64 (e.g. `openssl rand -hex 32`); a comma-separated list rotates "
+            "(the first signs, any verifies); empty = shared tiers unsigned. Never shown."
+        ),
+    )
+    tier_key_file: str = Field(
+        "",
+        description="A file holding tier_key's value (a mounted secret); not with tier_key.",
+    )
     config_file: str = Field("", description="YAML file read before the environment (read-only).")
 
     @field_validator("log_level", mode="before")
@@ -285,6 +298,23 @@ class KVTierSettings(BaseSettings):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("expected http(s)://host[:port]")
+        return value
+
+    @field_validator("tier_key")
+    @classmethod
+    def _check_tier_key(cls, value: str) -> str:
+        if value.strip():
+            parse_secrets(value)
+        return value
+
+    @field_validator("tier_key_file")
+    @classmethod
+    def _check_tier_key_file(cls, value: str, info: ValidationInfo) -> str:
+        if not value:
+            return value
+        if info.data.get("tier_key"):
+            raise ValueError("give the keys once: tier_key (KVTIER_TIER_KEY) is set too")
+        parse_secrets(read_secret_file(value))
         return value
 
     @field_validator("cpu_size")
@@ -379,6 +409,18 @@ def _unknown_key(name: str, where: str) -> str:
     return f"{where} (did you mean '{close[0]}'?)" if close else where
 
 
+def tier_keys(settings: KVTierSettings) -> tuple[bytes, ...]:
+    """The shared tiers' secrets (first signs), from tier_key or tier_key_file; () when unsigned."""
+    if settings.tier_key.strip():
+        return parse_secrets(settings.tier_key)
+    if settings.tier_key_file:
+        try:
+            return parse_secrets(read_secret_file(settings.tier_key_file))
+        except ValueError as exc:  # the file changed since the settings were loaded
+            raise SettingsError(f"{ENV_PREFIX}TIER_KEY_FILE={settings.tier_key_file}: {exc}") from None
+    return ()
+
+
 def storage_config(settings: KVTierSettings) -> StorageConfig:
     """The storage layer's frozen config from the settings (storage never reads the settings model)."""
     disk = DiskConfig(settings.disk_path, int(settings.disk_size), settings.disk_fsync)
@@ -410,12 +452,13 @@ def storage_config(settings: KVTierSettings) -> StorageConfig:
         disk=disk if settings.disk_path else None,
         redis=redis if settings.redis_url else None,
         object=objects if settings.object_url else None,
+        tier_keys=tier_keys(settings),
     )
 
 
 def display_value(name: str, value: Any) -> Any:
     """A value as it may be shown to a person: secrets masked."""
-    if name == "auth_token":
+    if name in ("auth_token", "tier_key"):
         return "***" if value else ""
     if name in ("redis_url", "object_endpoint"):
         return redact_url(value) if isinstance(value, str) else "***"
@@ -540,7 +583,18 @@ def load_settings(
 
 def describe(settings: KVTierSettings, sources: Mapping[str, Source]) -> dict[str, dict[str, Any]]:
     """Every setting with its displayable value and source, for `kvtier config`."""
-    return {
+    table = {
         name: {"value": display_value(name, getattr(settings, name)), "source": sources[name]}
         for name in KVTierSettings.model_fields
     }
+    table["tier_key"]["value"] = _signing_state(settings)
+    return table
+
+
+def _signing_state(settings: KVTierSettings) -> str:
+    """tier_key as `kvtier config` shows it: masked, and whether the shared tiers are signed."""
+    if not settings.tier_key.strip() and not settings.tier_key_file:
+        return "unset: Redis and object tiers unsigned"
+    count = len(tier_keys(settings))
+    shown = "***" if settings.tier_key.strip() else "from tier_key_file"
+    return f"{shown} (Redis and object tiers signed; {count} key{'s' if count > 1 else ''})"

@@ -46,6 +46,8 @@ READ_BY: dict[str, str] = {
     "disk_fsync": "service",
     "disk_direct_reads": "both",
     "redis_url": "service",
+    "tier_key": "service",
+    "tier_key_file": "service",
     "redis_cluster": "service",
     "redis_ttl": "service",
     "redis_timeout": "service",

@@ -11,6 +11,7 @@ Layout, little-endian::
         payload checksum u64  checksum() of the payload: see SEGMENT
         header checksum  u64  xxh3_64 of the 28 bytes above plus the key echo
     key echo             keys.key_echo(key)
+    (version 4 only)     key id (8 bytes) and MAC tag (32 bytes): see "Signed blobs" below
     payload              raw bytes
     trailer (optional)   the vLLM block hashes the chunk covers: per hash u8 length and its bytes,
                          then u64 xxh3_64 of those bytes (read by the disk scan, never by a load)
@@ -18,6 +19,13 @@ Layout, little-endian::
 The header checks itself, so a reader can read and validate the header alone, then read the payload
 straight into its destination buffer and verify it there (no intermediate copy). Every mismatch raises
 ``BlobError`` with the reason; nothing here unpickles or evaluates anything.
+
+Signed blobs (format SIGNED_VERSION, written to the shared tiers when tier keys are set): the key
+echo is followed by the signing key's id and a tag, signing.Mac over the 28 fixed bytes before the
+header checksum (magic, version, lengths, payload checksum), the key echo (namespace and block
+hash), the key id, the payload and the trailer. The header checksum covers id and tag too, so a
+damaged tag reads as corruption and a wrong one as forgery (``BlobForgedError``). Unsigned blobs
+(BLOB_FORMAT_VERSION) keep the layout above byte for byte.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import xxhash
 
 from kvtier.storage.base import BLOB_FORMAT_VERSION, BlobError, BlobFormatError, ChunkKey
 from kvtier.storage.keys import key_echo
+from kvtier.storage.signing import KEY_ID_SIZE, TAG_SIZE, Mac, Signer
 
 # Anything exposing the buffer protocol as bytes (collections.abc.Buffer arrives in 3.12).
 Buffer = bytes | bytearray | memoryview
@@ -43,6 +52,15 @@ FIXED_HEADER_SIZE = _FIXED.size + _CHECK.size  # 36
 # Bounds that keep a corrupt length field from making a reader allocate or wait for absurd sizes.
 MAX_ECHO_LEN = 1024
 MAX_PAYLOAD_LEN = 1 << 40
+# The format of signed blobs: BLOB_FORMAT_VERSION's layout plus key id and tag after the key echo.
+SIGNED_VERSION = 4
+SIGNATURE_SIZE = KEY_ID_SIZE + TAG_SIZE
+if SIGNED_VERSION == BLOB_FORMAT_VERSION:  # pragma: no cover - a bump of base's version must move this
+    raise ImportError("codec.SIGNED_VERSION must differ from BLOB_FORMAT_VERSION")
+
+
+class BlobForgedError(BlobError):
+    """With tier keys set: a blob that is unsigned, signed by an unknown key, or whose tag is wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +71,18 @@ class BlobHeader:
     payload_len: int
     checksum: int
     trailer_len: int = 0
+    key_id: bytes = b""  # signed blobs: the id of the key that signed it
+    tag: bytes = b""  # signed blobs: the MAC tag
+
+    @property
+    def signed(self) -> bool:
+        """True for a blob of SIGNED_VERSION (key id and tag present)."""
+        return bool(self.key_id)
 
     @property
     def size(self) -> int:
         """Bytes of the header including the key echo (offset of the payload in the blob)."""
-        return FIXED_HEADER_SIZE + len(self.echo)
+        return FIXED_HEADER_SIZE + len(self.echo) + (SIGNATURE_SIZE if self.signed else 0)
 
     @property
     def blob_size(self) -> int:
@@ -138,9 +163,9 @@ class PayloadHasher:
         return combine(self._digests + tail)
 
 
-def header_size(key: ChunkKey) -> int:
-    """Bytes of the header a blob of this key carries."""
-    return FIXED_HEADER_SIZE + len(key_echo(key))
+def header_size(key: ChunkKey, signed: bool = False) -> int:
+    """Bytes of the header a blob of this key carries (signed: with key id and tag)."""
+    return FIXED_HEADER_SIZE + len(key_echo(key)) + (SIGNATURE_SIZE if signed else 0)
 
 
 def encode_header(
@@ -155,6 +180,31 @@ def encode_header(
     digest = checksum(payload) if payload_checksum is None else payload_checksum
     fixed = _FIXED.pack(MAGIC, BLOB_FORMAT_VERSION, trailer_len, len(echo), size, digest)
     return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed + echo)) + echo
+
+
+def encode_signed_header(
+    key: ChunkKey, payload: Buffer, signer: Signer, trailer: Buffer = b"", payload_checksum: int | None = None
+) -> bytes:
+    """The signed header for payload (and the trailer that follows it) stored under key."""
+    trailer_len = memoryview(trailer).nbytes
+    if not 0 <= trailer_len <= MAX_TRAILER_LEN:
+        raise ValueError(f"a trailer of {trailer_len} bytes: at most {MAX_TRAILER_LEN} fit a blob")
+    echo = key_echo(key)
+    size = memoryview(payload).nbytes
+    digest = checksum(payload) if payload_checksum is None else payload_checksum
+    fixed = _FIXED.pack(MAGIC, SIGNED_VERSION, trailer_len, len(echo), size, digest)
+    mac = signer.signing_mac()
+    for part in (fixed, echo, signer.key_id, payload, trailer):
+        mac.update(part)
+    signature = signer.key_id + mac.tag()
+    return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed + echo + signature)) + echo + signature
+
+
+def encode_for(signer: Signer | None, key: ChunkKey, payload: Buffer, trailer: Buffer = b"") -> bytes:
+    """The header a tier writes: signed when it has a signer, else unsigned (as before keys)."""
+    if signer is None:
+        return encode_header(key, payload, trailer_len=memoryview(trailer).nbytes)
+    return encode_signed_header(key, payload, signer, trailer)
 
 
 def encode_trailer(covered: Sequence[bytes]) -> bytes:
@@ -194,10 +244,13 @@ def decode_trailer(trailer: Buffer) -> list[bytes]:
     return hashes
 
 
-def encode(key: ChunkKey, payload: Buffer, covered: Sequence[bytes] = ()) -> bytes:
-    """A whole blob in one bytes object (tests and small values; tiers send header and payload apart)."""
+def encode(
+    key: ChunkKey, payload: Buffer, covered: Sequence[bytes] = (), signer: Signer | None = None
+) -> bytes:
+    """A whole blob in one bytes object (tests and small values; tiers send header and payload apart);
+    signed when signer is given."""
     trailer = encode_trailer(covered)
-    return encode_header(key, payload, trailer_len=len(trailer)) + bytes(payload) + trailer
+    return encode_for(signer, key, payload, trailer) + bytes(payload) + trailer
 
 
 def _check_prefix(magic: bytes, echo_len: int) -> None:
@@ -218,19 +271,60 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
     # One unpack of all 36 fixed bytes: this runs on every read, where microseconds show.
     magic, version, trailer_len, echo_len, size, digest, stored_check = _WHOLE.unpack_from(view)
     _check_prefix(magic, echo_len)
-    end = FIXED_HEADER_SIZE + echo_len
+    signed = version == SIGNED_VERSION
+    end = FIXED_HEADER_SIZE + echo_len + (SIGNATURE_SIZE if signed else 0)
     if view.nbytes < end:
         raise BlobError(f"truncated header: {view.nbytes} of {end} header bytes")
-    echo = bytes(view[FIXED_HEADER_SIZE:end])
-    if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + echo) != stored_check:
+    echo = bytes(view[FIXED_HEADER_SIZE : FIXED_HEADER_SIZE + echo_len])
+    signature = bytes(view[FIXED_HEADER_SIZE + echo_len : end])
+    if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + echo + signature) != stored_check:
         raise BlobError("header checksum mismatch")
-    if version != BLOB_FORMAT_VERSION:
-        raise BlobFormatError(f"format version {version}, this build reads {BLOB_FORMAT_VERSION}")
+    if version != BLOB_FORMAT_VERSION and not signed:
+        raise BlobFormatError(
+            f"format version {version}, this build reads {BLOB_FORMAT_VERSION} and {SIGNED_VERSION}"
+        )
     if size > MAX_PAYLOAD_LEN:
         raise BlobError(f"payload length {size} exceeds {MAX_PAYLOAD_LEN}")
     if key is not None and echo != key_echo(key):
         raise BlobError(f"key echo {echo!r} belongs to another key than {key_echo(key)!r}")
-    return BlobHeader(echo=echo, payload_len=int(size), checksum=int(digest), trailer_len=int(trailer_len))
+    return BlobHeader(
+        echo=echo,
+        payload_len=int(size),
+        checksum=int(digest),
+        trailer_len=int(trailer_len),
+        key_id=signature[:KEY_ID_SIZE],
+        tag=signature[KEY_ID_SIZE:],
+    )
+
+
+def payload_mac(signer: Signer | None, header: BlobHeader) -> Mac | None:
+    """The MAC to feed header's payload (and trailer) to, its signed header fields fed already;
+    None without keys (nothing to verify). BlobForgedError, with keys, for a blob that is unsigned or
+    signed by none of them: known before a byte of the payload is read."""
+    if signer is None:
+        return None
+    if not header.signed:
+        raise BlobForgedError("unsigned blob in a signed tier")
+    mac = signer.verifying_mac(header.key_id)
+    if mac is None:
+        raise BlobForgedError(f"signed by key id {header.key_id.hex()}, none of this node's tier keys")
+    fixed = _FIXED.pack(
+        MAGIC, SIGNED_VERSION, header.trailer_len, len(header.echo), header.payload_len, header.checksum
+    )
+    for part in (fixed, header.echo, header.key_id):
+        mac.update(part)
+    return mac
+
+
+def verify_tag(mac: Mac | None, header: BlobHeader, *parts: Buffer) -> None:
+    """Feed mac the rest of the signed bytes (parts) and check header's tag; BlobForgedError when it
+    differs. No-op for mac None (no keys)."""
+    if mac is None:
+        return
+    for part in parts:
+        mac.update(part)
+    if not mac.matches(header.tag):
+        raise BlobForgedError("MAC tag mismatch")
 
 
 def verify_payload(header: BlobHeader, payload: Buffer) -> None:
@@ -242,13 +336,40 @@ def verify_payload(header: BlobHeader, payload: Buffer) -> None:
         raise BlobError("payload checksum mismatch")
 
 
-def decode(blob: Buffer, key: ChunkKey) -> memoryview:
-    """The verified payload of a whole blob stored under key, as a view into blob (no copy)."""
+def misfit(header: BlobHeader, blob_size: int, payload_len: int) -> str | None:
+    """Why a stored value of blob_size bytes with this header cannot fill a buffer of payload_len
+    (the tiers' outcome names 'corrupt' and 'length_mismatch'), or None when it can."""
+    if header.blob_size != blob_size:
+        return "corrupt"  # truncated, or bytes after its end
+    if header.payload_len != payload_len:
+        return "length_mismatch"
+    return None
+
+
+def judge(header: BlobHeader, mac: Mac | None, payload: Buffer, trailer: Buffer = b"") -> str:
+    """The tiers' outcome name of a payload read apart from its header: 'hit' when it matches the
+    checksum and (mac given) the tag, else 'corrupt' or 'forged'."""
+    try:
+        verify_payload(header, payload)
+        verify_tag(mac, header, payload, trailer)
+    except BlobForgedError:
+        return "forged"
+    except BlobError:
+        return "corrupt"
+    return "hit"
+
+
+def decode(blob: Buffer, key: ChunkKey, signer: Signer | None = None) -> memoryview:
+    """The verified payload of a whole blob stored under key, as a view into blob (no copy); with
+    signer, its MAC is verified too (BlobForgedError)."""
     view = memoryview(blob).cast("B")
     header = parse_header(view, key)
     if view.nbytes != header.blob_size:
         raise BlobError(f"blob is {view.nbytes} bytes, header says {header.blob_size}")
+    mac = payload_mac(signer, header)
     payload = view[header.size : header.size + header.payload_len]
     verify_payload(header, payload)
-    decode_trailer(view[header.size + header.payload_len :])
+    trailer = view[header.size + header.payload_len :]
+    decode_trailer(trailer)
+    verify_tag(mac, header, payload, trailer)
     return payload

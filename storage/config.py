@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -69,6 +69,8 @@ class StorageConfig:
     disk: DiskConfig | None = None
     redis: RedisConfig | None = None
     object: ObjectConfig | None = None
+    # Secrets that sign and verify the shared tiers' blobs (the first signs); () = unsigned. Never shown.
+    tier_keys: tuple[bytes, ...] = field(default=(), repr=False)
 
 
 def redact_url(url: str) -> str:

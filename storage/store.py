@@ -49,6 +49,7 @@ from kvtier.storage.config import StorageConfig, StoreConfig
 from kvtier.storage.keys import chunk_keys, namespace_id
 from kvtier.storage.leases import Lease, LeaseTable
 from kvtier.storage.reservations import Reservations
+from kvtier.storage.signing import Signer
 from kvtier.storage.staging import Stager
 from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
 from kvtier.storage.tiers.disk import DiskTier
@@ -498,6 +499,7 @@ async def build_store(
     listener (KV events) is told of every chunk that enters or leaves any tier, the disk index's
     load included."""
     arena = Arena.create(config.shm_dir, config.cpu_size)
+    signer = Signer(config.tier_keys) if config.tier_keys else None  # the shared tiers' MAC keys
     lower: list[Any] = []
     try:
         if config.disk is not None:
@@ -508,12 +510,12 @@ async def build_store(
         if config.redis is not None:
             from kvtier.storage.tiers.redis import RedisTier
 
-            lower.append(RedisTier(config.redis, listener=listener))
+            lower.append(RedisTier(config.redis, listener=listener, signer=signer))
             await lower[-1].start()
         if config.object is not None:
             from kvtier.storage.tiers.object import ObjectTier
 
-            lower.append(ObjectTier(config.object, listener=listener))
+            lower.append(ObjectTier(config.object, listener=listener, signer=signer))
             await lower[-1].start()
         return TieredStore(arena, lower, config.store, clock, listener)
     except BaseException:

@@ -4,12 +4,13 @@ on any store of the S3 API, shared by every node of a fleet; below Redis.
 Lookups never wait on the store: ``contains_many`` reads the index (``object_index``), loaded by a
 LIST at start and refreshed by one every ``refresh_period`` (how stale it may be: there). Loads
 (``get_into``) fetch the object, verify header and checksum and copy the payload into the caller's
-slot on this tier's threads; a missing, corrupt, truncated or foreign object is a counted miss,
-unindexed, and (but for a missing one) deleted. Writes (``put``) never hold a save: the blob (header,
-payload, trailer) is copied out of the slot on a thread and uploaded in the background, so the slot is
-free again at once; ``write_bytes`` bounds the bytes of uploads in flight, and a put beyond it is
-dropped and counted ('slow'), as is a put while the breaker is open. A chunk the index already holds
-(written by this node or listed from another) is not uploaded again.
+slot on this tier's threads (with tier keys, the MAC too: codec.py, "Signed blobs"; a forged
+object is counted 'forged' and logged at WARNING); a missing, corrupt, forged, truncated or foreign
+object is a counted miss, unindexed, and (but for a missing one) deleted. Writes (``put``) never
+hold a save: the blob (header, payload, trailer) is copied out of the slot on a thread and uploaded
+in the background, so the slot is free again at once; ``write_bytes`` bounds the bytes of uploads in
+flight, and a put beyond it is dropped and counted ('slow'), as is a put while the breaker is open. A
+chunk the index already holds (written by this node or listed from another) is not uploaded again.
 
 Failures: every call runs under ``timeout`` (obstore's retries of 5xx, SlowDown and dropped
 connections, with backoff, inside it); a timeout or an unreachable store trips the circuit breaker,
@@ -40,6 +41,7 @@ from kvtier.storage import codec
 from kvtier.storage.base import BlobError, ChunkKey, Tier, TierListener, TierStats
 from kvtier.storage.breaker import CircuitBreaker
 from kvtier.storage.config import ObjectConfig
+from kvtier.storage.signing import Signer
 from kvtier.storage.tiers.object_client import Buffer, ObjectClient, failure_kind, is_missing
 from kvtier.storage.tiers.object_index import ObjectIndex, object_path, order, parse_path
 from kvtier.storage.tiers.pins import PinBook
@@ -58,12 +60,16 @@ class Outcome(enum.Enum):
     HIT = "hit"
     CORRUPT = "corrupt"  # not a valid blob of this key: damaged, truncated or foreign
     LENGTH_MISMATCH = "length_mismatch"  # a valid blob of another payload size
+    FORGED = "forged"  # with tier keys: unsigned, signed by an unknown key, or a wrong MAC tag
 
 
-def build_blob(key: ChunkKey, payload: memoryview, covered: Sequence[bytes]) -> bytearray:
-    """Header, payload and trailer in one buffer (one copy of the payload, on a thread)."""
+def build_blob(
+    key: ChunkKey, payload: memoryview, covered: Sequence[bytes], signer: Signer | None = None
+) -> bytearray:
+    """Header (signed with signer), payload and trailer in one buffer (one copy of the payload and
+    the MAC, on a thread)."""
     trailer = codec.encode_trailer(covered) if covered else b""
-    header = codec.encode_header(key, payload, trailer_len=len(trailer))
+    header = codec.encode_for(signer, key, payload, trailer)
     blob = bytearray(len(header) + payload.nbytes + len(trailer))
     blob[: len(header)] = header
     end = len(header) + payload.nbytes
@@ -72,20 +78,23 @@ def build_blob(key: ChunkKey, payload: memoryview, covered: Sequence[bytes]) -> 
     return blob
 
 
-def decode_into(data: Buffer, key: ChunkKey, dest: memoryview) -> Outcome:
-    """Verify a fetched blob of key and copy its payload into dest (on a thread)."""
+def decode_into(data: Buffer, key: ChunkKey, dest: memoryview, signer: Signer | None = None) -> Outcome:
+    """Verify a fetched blob of key (its MAC too, with signer) and copy its payload into dest (on a
+    thread); dest counts as loaded only on HIT."""
     view = memoryview(data).cast("B")
     try:
         header = codec.parse_header(view, key)
-        if header.blob_size != view.nbytes:
-            return Outcome.CORRUPT  # truncated, or with bytes after it
-        if header.payload_len != dest.nbytes:
-            return Outcome.LENGTH_MISMATCH
-        dest[:] = view[header.size : header.size + header.payload_len]
-        codec.verify_payload(header, dest)
+        mac = codec.payload_mac(signer, header)
+    except codec.BlobForgedError:
+        return Outcome.FORGED
     except BlobError:
         return Outcome.CORRUPT
-    return Outcome.HIT
+    misfit = codec.misfit(header, view.nbytes, dest.nbytes)
+    if misfit is not None:
+        return Outcome(misfit)
+    end = header.size + header.payload_len
+    dest[:] = view[header.size : end]
+    return Outcome(codec.judge(header, mac, dest, view[end:]))
 
 
 class ObjectTier:
@@ -101,8 +110,10 @@ class ObjectTier:
         breaker: CircuitBreaker | None = None,
         listener: TierListener | None = None,
         sleep: Sleep = asyncio.sleep,
+        signer: Signer | None = None,
     ) -> None:
         self.config = config
+        self.signer = signer  # tier keys: objects are signed and verified; None = unsigned
         self.client = client if client is not None else ObjectClient(config)
         self.where = f"s3://{self.client.bucket}/{self.client.prefix}"
         self.breaker = breaker or CircuitBreaker(config.breaker_period)
@@ -243,7 +254,7 @@ class ObjectTier:
                 self._stats.count_error("gone")
                 self._unindex(key)
             return False
-        outcome = await run_to_end(self._threads, decode_into, data, key, dest)
+        outcome = await run_to_end(self._threads, decode_into, data, key, dest, self.signer)
         if outcome is Outcome.HIT:
             self._stats.hits += 1
             self._stats.bytes_read += dest.nbytes
@@ -253,7 +264,9 @@ class ObjectTier:
             return True
         self._stats.misses += 1
         self._stats.count_error(outcome.value)
-        if outcome is Outcome.CORRUPT:
+        if outcome is Outcome.FORGED:
+            log.warning("object tier %s: %s failed its MAC check (forged); deleted", self.where, key)
+        if outcome is not Outcome.LENGTH_MISMATCH:  # corrupt or forged
             self._unindex(key)
             if not self._book.pinned(key):  # a pinned key's lease keeps it until it lets go
                 await self._call(lambda: self._delete_paths([object_path(key)]), False)
@@ -290,13 +303,13 @@ class ObjectTier:
             self._stats.count_error("unavailable")
             return False
         payload = memoryview(payload).cast("B")
-        size = codec.header_size(key) + payload.nbytes
+        size = codec.header_size(key, signed=self.signer is not None) + payload.nbytes
         if self._inflight and self._inflight + size > self.config.write_bytes:
             self._stats.count_error("slow")
             return False
         self._inflight += size
         try:
-            blob = await run_to_end(self._threads, build_blob, key, payload, covered)
+            blob = await run_to_end(self._threads, build_blob, key, payload, covered, self.signer)
         except Exception as exc:
             self._inflight -= size
             log.error("object tier: building the blob of %s failed: %r", key, exc)

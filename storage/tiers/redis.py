@@ -20,6 +20,10 @@ cannot veto, so pins here only govern ``delete``: deleting a pinned key hides it
 lookups at once and removes it from Redis when the last pin is released, so a lease that already
 counted the chunk can still stage it.
 
+Signing: with a signer (tier keys set) every value is a signed blob, its MAC computed and checked on
+the worker threads with the checksum; a value that does not verify is counted 'forged', logged at
+WARNING with its key, never loaded, and unlinked (codec.py, "Signed blobs").
+
 Who owns what: the event loop owns the pins, stats, breakers, cluster router and idle-connection list;
 worker threads own a raw connection only while running one command on it. The tier owns the clients it
 builds and closes them in close(); an injected client stays the caller's to close.
@@ -47,6 +51,7 @@ from kvtier.storage.base import BlobError, ChunkKey, Tier, TierListener, TierSta
 from kvtier.storage.breaker import CircuitBreaker
 from kvtier.storage.config import RedisConfig, redact_url
 from kvtier.storage.keys import REDIS_PREFIX, redis_key
+from kvtier.storage.signing import Signer
 from kvtier.storage.tiers.pins import PinBook
 from kvtier.storage.tiers.redis_wire import GetOutcome, RawEndpoint, RawPool, ServerReplyError
 
@@ -219,22 +224,26 @@ class ClusterRouter:
             await asyncio.gather(self._check, return_exceptions=True)
 
 
-def _blob_bytes(key: ChunkKey, payload: memoryview) -> bytearray:
+def _blob_bytes(key: ChunkKey, payload: memoryview, signer: Signer | None) -> bytearray:
     """Header and payload joined, for clients that need the value as one buffer (one copy)."""
-    header = codec.encode_header(key, payload)
+    header = codec.encode_for(signer, key, payload)
     blob = bytearray(len(header) + payload.nbytes)
     blob[: len(header)] = header
     blob[len(header) :] = payload
     return blob
 
 
-def _decode_into(value: bytes, key: ChunkKey, dest: memoryview) -> GetOutcome:
-    """Verify a whole value fetched by redis.asyncio and copy its payload into dest."""
+def _decode_into(value: bytes, key: ChunkKey, dest: memoryview, signer: Signer | None) -> GetOutcome:
+    """Verify a whole value fetched by redis.asyncio (its MAC too, with signer) and copy its payload
+    into dest."""
     try:
         header = codec.parse_header(value, key)
         if header.blob_size == len(value) and header.payload_len != dest.nbytes:
+            codec.payload_mac(signer, header)  # an unsigned value is forged whatever its length
             return GetOutcome.LENGTH_MISMATCH
-        payload = codec.decode(value, key)
+        payload = codec.decode(value, key, signer)
+    except codec.BlobForgedError:
+        return GetOutcome.FORGED
     except BlobError:
         return GetOutcome.CORRUPT
     dest[:] = payload
@@ -254,6 +263,7 @@ class RedisTier:
         breaker: CircuitBreaker | None = None,
         fast_path: bool = True,
         listener: TierListener | None = None,
+        signer: Signer | None = None,
     ) -> None:
         if not config.url and client is None:
             raise ValueError("RedisTier needs a server URL (setting redis_url, KVTIER_REDIS_URL)")
@@ -269,7 +279,10 @@ class RedisTier:
             endpoint = RawEndpoint.from_url(config.url)
         # Worker threads of the raw connections, and of checksums for the redis.asyncio path.
         self._threads = ThreadPoolExecutor(config.pool_size, thread_name_prefix="kvtier-redis")
-        self._raw = RawPool(endpoint, config.pool_size, self.timeout, self._threads) if endpoint else None
+        self.signer = signer  # tier keys: values are signed and verified; None = unsigned
+        self._raw = (
+            RawPool(endpoint, config.pool_size, self.timeout, self._threads, signer) if endpoint else None
+        )
         self._slots = asyncio.Semaphore(config.pool_size)  # big transfers via redis.asyncio
         self._router = (
             ClusterRouter(self._client, config.breaker_period, self.timeout)
@@ -439,7 +452,7 @@ class RedisTier:
             await self._raw.run(lambda conn, deadline: conn.set(rkey, key, payload, ttl, deadline))
             return True
         async with self._slots:
-            blob = await run_to_end(self._threads, _blob_bytes, key, payload)
+            blob = await run_to_end(self._threads, _blob_bytes, key, payload, self.signer)
             value = memoryview(blob)  # redis-py encodes bytes and memoryview, not bytearray
             await self._timed(self._one(lambda c: c.set(name, value, ex=ttl if ttl > 0 else None)))
         return True
@@ -454,8 +467,10 @@ class RedisTier:
             self._stats.bytes_read += dest.nbytes
             return True
         self._stats.misses += 1
-        if outcome is GetOutcome.CORRUPT:
-            self._stats.count_error("corrupt")
+        if outcome is GetOutcome.CORRUPT or outcome is GetOutcome.FORGED:
+            self._stats.count_error(outcome.value)
+            if outcome is GetOutcome.FORGED:
+                log.warning("redis %s: %s failed its MAC check (forged); deleted", self.url_for_logs, key)
             if self.listener is not None:
                 self.listener.removed(Tier.REDIS, [key])
             await self._unlink(name)
@@ -474,7 +489,7 @@ class RedisTier:
             value = await self._timed(self._one(lambda c: c.get(name)))
             if value is None:
                 return GetOutcome.MISS
-            return await run_to_end(self._threads, _decode_into, value, key, dest)
+            return await run_to_end(self._threads, _decode_into, value, key, dest, self.signer)
 
     async def delete(self, key: ChunkKey) -> None:
         """UNLINK key; a pinned key is hidden from lookups now and unlinked at its last unpin."""

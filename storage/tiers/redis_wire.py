@@ -37,6 +37,7 @@ from redis.asyncio.connection import parse_url
 from kvtier.runtime.handoff import wait_done
 from kvtier.storage import codec
 from kvtier.storage.base import BlobError, ChunkKey
+from kvtier.storage.signing import Mac, Signer
 
 T = TypeVar("T")
 
@@ -74,6 +75,10 @@ class GetOutcome(enum.Enum):
     MISS = "miss"
     CORRUPT = "corrupt"  # a value is there but it is not a valid blob of this key
     LENGTH_MISMATCH = "length_mismatch"  # a valid blob whose payload size differs from the buffer
+    FORGED = "forged"  # with tier keys: unsigned, signed by an unknown key, or a wrong MAC tag
+    # Internal to a ranged read: the header is of the other layout (signed or not), so the payload's
+    # offset is not the one the slices asked for; one GET reads and judges it instead.
+    OTHER_LAYOUT = "other_layout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +141,10 @@ def _int(line: bytes) -> int:
 class RawConnection:
     """One blocking socket to one Redis server, for GET-into-buffer and zero-copy SET."""
 
-    def __init__(self, endpoint: RawEndpoint, timeout: float) -> None:
+    def __init__(self, endpoint: RawEndpoint, timeout: float, signer: Signer | None = None) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.signer = signer  # tier keys: values written signed, read verified
         self.broken = False
         self.ranged = True  # large values by GETRANGE slices (False once the server refused it)
         self._sock: socket.socket | None = None
@@ -217,9 +223,10 @@ class RawConnection:
 
     # ------------------------------------------------------------------------------------------ commands
     def set(self, rkey: bytes, key: ChunkKey, payload: memoryview, ttl: int, deadline: float) -> None:
-        """SET rkey to header+payload (EX ttl when ttl > 0) without joining the pieces."""
+        """SET rkey to header+payload (EX ttl when ttl > 0) without joining the pieces; the header
+        is signed (its MAC computed here, on the worker thread) when the connection has a signer."""
         self._deadline = deadline
-        header = codec.encode_header(key, payload)
+        header = codec.encode_for(self.signer, key, payload)
         nargs = 5 if ttl > 0 else 3
         head = b"*%d\r\n$3\r\nSET\r\n%s$%d\r\n" % (
             nargs,
@@ -235,17 +242,22 @@ class RawConnection:
             raise WireError(f"unexpected SET reply {line[:40]!r}")
 
     def get_into(self, rkey: bytes, key: ChunkKey, dest: memoryview, deadline: float) -> GetOutcome:
-        """GET rkey, receive the payload straight into dest and verify it there."""
+        """GET rkey, receive the payload straight into dest and verify it there (its MAC too, with
+        a signer: FORGED when it does not verify)."""
         self._deadline = deadline
         if dest.nbytes > RANGE_PIECE and self.ranged:
             try:
-                return self._get_ranged(rkey, key, dest)
+                outcome = self._get_ranged(rkey, key, dest)
             except TransactionRefused:
                 self.ranged = False  # this server or user cannot: plain GETs on this connection
+            else:
+                if outcome is not GetOutcome.OTHER_LAYOUT:
+                    return outcome
         return self._get_whole(rkey, key, dest)
 
     def _get_whole(self, rkey: bytes, key: ChunkKey, dest: memoryview) -> GetOutcome:
-        """One GET: its length line and header through the read buffer, the payload into dest."""
+        """One GET: its length line and header (the signed layout's size: a blob of either layout is
+        judged by its own) through the read buffer, the payload into dest."""
         self._send([memoryview(pack_command(b"GET", rkey))])
         line = self._read_line()
         if line[:1] == b"-":
@@ -255,22 +267,27 @@ class RawConnection:
         if line[:1] != b"$":
             raise WireError(f"unexpected GET reply {line[:40]!r}")
         size = _int(line)
-        hsize = codec.header_size(key)
-        if size != hsize + dest.nbytes:
-            return self._wrong_size(key, size, hsize)
-        head = bytes(self._read_small(hsize))
+        want = min(size, codec.header_size(key, signed=True))
+        head = bytes(self._read_small(want))
+        rest = size - want  # bytes of the value still to receive
+        mac = None
         try:
             header = codec.parse_header(head, key)
+            outcome = _misfit(header, size, dest.nbytes)
+            if outcome is None:
+                mac = codec.payload_mac(self.signer, header)
+        except codec.BlobForgedError:
+            outcome = GetOutcome.FORGED
         except BlobError:
-            self._drain(dest.nbytes + 2)
-            return GetOutcome.CORRUPT
-        self._read_into(dest)
+            outcome = GetOutcome.CORRUPT
+        if outcome is not None:
+            self._discard(rest + 2)
+            return outcome
+        early = head[header.size :]
+        dest[: len(early)] = early
+        self._read_into(dest[len(early) :])
         self._expect_crlf()
-        try:
-            codec.verify_payload(header, dest)
-        except BlobError:
-            return GetOutcome.CORRUPT
-        return GetOutcome.HIT
+        return GetOutcome(codec.judge(header, mac, dest))
 
     def _get_ranged(self, rkey: bytes, key: ChunkKey, dest: memoryview) -> GetOutcome:
         """A large value as its header and RANGE_PIECE slices, streamed; read again whole if torn."""
@@ -295,10 +312,11 @@ class RawConnection:
         makes it copy the whole value into one buffer that its allocator (jemalloc's
         oversize_threshold) maps fresh for every reply: page faults, and no overlap.
         """
-        hsize = codec.header_size(key)
+        hsize = codec.header_size(key, signed=self.signer is not None)  # the layout this tier writes
+        most = codec.header_size(key, signed=True)  # the header slice holds either layout's header
         offsets = range(0, dest.nbytes, RANGE_PIECE)
         slices = [_getrange(rkey, hsize + off, min(RANGE_PIECE, dest.nbytes - off)) for off in offsets]
-        inside = [pack_command(b"EXISTS", rkey), pack_command(b"STRLEN", rkey), _getrange(rkey, 0, hsize)]
+        inside = [pack_command(b"EXISTS", rkey), pack_command(b"STRLEN", rkey), _getrange(rkey, 0, most)]
         if atomic:
             inside += slices
             sent, after = len(slices), 0
@@ -308,10 +326,11 @@ class RawConnection:
         self._read_transaction_head(len(inside), then=after)
         exists = self._read_int(then=len(inside) - 1 + after)
         size = self._read_int(then=len(inside) - 2 + after)
-        header = self._read_head(key, hsize, size, bool(exists) and size == hsize + dest.nbytes)
-        if not isinstance(header, codec.BlobHeader):
+        judged = _judge_head(self._read_head(key, most), hsize, size, dest.nbytes, self.signer)
+        if isinstance(judged, GetOutcome):
             self._skip_replies(sent)
-            return header if exists else GetOutcome.MISS
+            return judged if exists else GetOutcome.MISS
+        header, mac = judged
         hasher = codec.PayloadHasher()
         for i, off in enumerate(offsets):
             if sent < len(slices):  # keep the window full: ask for the next slice before reading
@@ -325,27 +344,27 @@ class RawConnection:
             self._read_into(part)
             self._expect_crlf()
             hasher.update(part)  # while the slice is still in cache
-        intact = hasher.intdigest() == header.checksum
-        if intact:
-            return GetOutcome.HIT
-        return GetOutcome.CORRUPT if atomic else None
+            if mac is not None:
+                mac.update(part)
+        if hasher.intdigest() != header.checksum:
+            return GetOutcome.CORRUPT if atomic else None
+        try:
+            codec.verify_tag(mac, header)  # the bytes are the blob's (checksum): a wrong tag is forged
+        except codec.BlobForgedError:
+            return GetOutcome.FORGED
+        return GetOutcome.HIT
 
-    def _read_head(
-        self, key: ChunkKey, hsize: int, size: int, size_ok: bool
-    ) -> codec.BlobHeader | GetOutcome:
-        """The header slice's header when it is this key's and the value's size fits, else why not."""
+    def _read_head(self, key: ChunkKey, most: int) -> codec.BlobHeader | None:
+        """The header slice's header when it is a valid header of this key, else None."""
         line = self._read_line()
-        if line[:1] != b"$" or not 0 <= _int(line) <= hsize:
+        if line[:1] != b"$" or not 0 <= _int(line) <= most:
             raise WireError(f"unexpected GETRANGE reply {line[:40]!r}")
         head = bytes(self._read_small(_int(line)))
         self._expect_crlf()
         try:
-            header = codec.parse_header(head, key)
+            return codec.parse_header(head, key)
         except BlobError:
-            return GetOutcome.CORRUPT
-        if not size_ok:
-            return GetOutcome.LENGTH_MISMATCH if header.blob_size == size else GetOutcome.CORRUPT
-        return header
+            return None
 
     def _read_transaction_head(self, queued: int, then: int) -> None:
         """Consume MULTI's +OK, the +QUEUED lines and EXEC's array header; raise if it was refused.
@@ -402,24 +421,12 @@ class RawConnection:
                 raise WireError(f"unexpected reply {line[:40]!r}")
             line = None
 
-    def _wrong_size(self, key: ChunkKey, size: int, hsize: int) -> GetOutcome:
-        """Classify a value of unexpected size and consume it so the connection stays in sync."""
-        outcome = GetOutcome.CORRUPT
-        consumed = 0
-        if size >= hsize:
-            head = bytes(self._read_small(hsize))
-            consumed = hsize
-            try:
-                header = codec.parse_header(head, key)
-                if header.blob_size == size:
-                    outcome = GetOutcome.LENGTH_MISMATCH
-            except BlobError:
-                pass
-        if size - consumed > _MAX_DRAIN:
+    def _discard(self, n: int) -> None:
+        """Consume the rest of a value not read, or mark the connection broken when it is huge."""
+        if n > _MAX_DRAIN:
             self.broken = True  # cheaper to reconnect than to read a huge foreign value to its end
         else:
-            self._drain(size - consumed + 2)
-        return outcome
+            self._drain(n)
 
     def _simple(self, command: bytes, what: str) -> None:
         self._send([memoryview(command)])
@@ -513,14 +520,43 @@ class RawConnection:
             n -= step
 
 
+def _misfit(header: codec.BlobHeader, size: int, payload_len: int) -> GetOutcome | None:
+    """codec.misfit for a Redis value, which never carries a trailer."""
+    kind = codec.misfit(header, size, payload_len) or ("length_mismatch" if header.trailer_len else None)
+    return None if kind is None else GetOutcome(kind)
+
+
+def _judge_head(
+    header: codec.BlobHeader | None, hsize: int, size: int, payload_len: int, signer: Signer | None
+) -> tuple[codec.BlobHeader, Mac | None] | GetOutcome:
+    """A ranged read's header and MAC when its slices can be read into the buffer, else why not."""
+    if header is None:
+        return GetOutcome.CORRUPT
+    if header.blob_size == size and header.size != hsize:
+        return GetOutcome.OTHER_LAYOUT
+    outcome = _misfit(header, size, payload_len)
+    if outcome is not None:
+        return outcome
+    try:
+        return header, codec.payload_mac(signer, header)
+    except codec.BlobForgedError:
+        return GetOutcome.FORGED
+
+
 class RawPool:
     """Up to ``size`` raw connections, each command run by a worker thread under a deadline."""
 
     def __init__(
-        self, endpoint: RawEndpoint, size: int, timeout: float, executor: ThreadPoolExecutor
+        self,
+        endpoint: RawEndpoint,
+        size: int,
+        timeout: float,
+        executor: ThreadPoolExecutor,
+        signer: Signer | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.signer = signer
         self.executor = executor  # borrowed from the tier, which shuts it down
         self._slots = asyncio.Semaphore(size)
         self._idle: list[RawConnection] = []
@@ -528,7 +564,7 @@ class RawPool:
     async def run(self, op: Callable[[RawConnection, float], T]) -> T:
         """Run op(connection, deadline) in a thread; on timeout or cancel, abort it and wait for it."""
         async with self._slots:  # waiting for a connection is not part of the call's timeout
-            conn = self._idle.pop() if self._idle else RawConnection(self.endpoint, self.timeout)
+            conn = self._idle.pop() if self._idle else RawConnection(self.endpoint, self.timeout, self.signer)
             deadline = time.monotonic() + self.timeout
             work = self.executor.submit(self._call, conn, op, deadline)
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,59 @@ def test_a_bad_log_format_names_the_variable_and_the_allowed_values(bad: str) ->
     message = str(info.value)
     assert message.startswith(f"environment variable KVTIER_LOG_FORMAT={bad!r} is invalid")
     assert "Allowed: one of 'auto', 'json', 'text'" in message
+
+
+# ---------------------------------------------------------------------------------------------- tier keys
+TIER_HEX = "ab" * 32
+
+
+def test_tier_keys_from_env_or_file_reach_the_storage_config_and_stay_hidden(tmp_path: Path) -> None:
+    from kvtier.app.settings import describe, storage_config
+
+    env = {"KVTIER_TIER_KEY": f"{'cd' * 32}, {TIER_HEX}", "KVTIER_REDIS_URL": "redis://127.0.0.1:6379"}
+    settings, sources = load_settings_with_sources(env=env)
+    config = storage_config(settings)
+    assert config.tier_keys == (bytes.fromhex("cd" * 32), bytes.fromhex(TIER_HEX))
+    assert TIER_HEX not in repr(config) and "cdcd" not in repr(config)
+    shown = describe(settings, sources)["tier_key"]
+    assert shown == {"value": "*** (Redis and object tiers signed; 2 keys)", "source": "env"}
+    secret = tmp_path / "tier.key"
+    secret.write_text(TIER_HEX + "\n")
+    from_file = load_settings(env={"KVTIER_TIER_KEY_FILE": str(secret)})
+    assert storage_config(from_file).tier_keys == (bytes.fromhex(TIER_HEX),)
+
+
+def test_without_a_tier_key_the_config_says_the_shared_tiers_are_unsigned() -> None:
+    from kvtier.app.settings import describe, storage_config
+
+    settings, sources = load_settings_with_sources(env={})
+    assert storage_config(settings).tier_keys == ()
+    assert describe(settings, sources)["tier_key"]["value"] == "unset: Redis and object tiers unsigned"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"KVTIER_TIER_KEY": "cd" * 16},
+            "KVTIER_TIER_KEY='***' is invalid: Value error, key 1 of 1 is too short",
+        ),
+        (
+            {"KVTIER_TIER_KEY": f"{TIER_HEX},,"},
+            "KVTIER_TIER_KEY='***' is invalid: Value error, key 2 of 3 is empty",
+        ),
+        (
+            {"KVTIER_TIER_KEY_FILE": "/nonexistent/tier.key"},
+            "KVTIER_TIER_KEY_FILE='/nonexistent/tier.key' is",
+        ),
+        (
+            {"KVTIER_TIER_KEY": TIER_HEX, "KVTIER_TIER_KEY_FILE": "/x"},
+            "give the keys once: tier_key (KVTIER_TIER_KEY) is set too",
+        ),
+    ],
+)
+def test_a_bad_tier_key_names_the_variable_and_never_shows_the_key(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_settings(env=env)
+    assert message in str(caught.value)
+    assert "cd" * 16 not in str(caught.value) and TIER_HEX not in str(caught.value)
