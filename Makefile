@@ -12,7 +12,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),--extra-index-url $(TORCH_CPU_INDEX))
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck demo bench redis-server compose-check clean
+.PHONY: install test test-fast lint typecheck demo bench redis-server compose-check clean
 
 install: $(STAMP) redis-server
 
@@ -34,9 +34,13 @@ redis-server:
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Unit and integration tests without vLLM engines (docs/contributing.md, "Test tiers").
+test-fast: install
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
 lint: install
-	$(VENV)/bin/ruff check app storage connector runtime tests bench docs
-	$(VENV)/bin/ruff format --check app storage connector runtime tests bench docs
+	$(VENV)/bin/ruff check app storage connector runtime tests bench docs deploy
+	$(VENV)/bin/ruff format --check app storage connector runtime tests bench docs deploy
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

@@ -133,7 +133,9 @@ class WorkerSide:
                 self._arena.adopt(reply, pin_here=wait > 0)  # at start-up; else off the serving path
                 self._start_disk_reader(reply)
             except (ServiceError, TimeoutError, OSError) as exc:
-                log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
+                # A hello still in flight is polled again next step: said once, at start-up only.
+                if wait > 0 or hello.done():
+                    log.warning("kvtier: service not reachable yet (%s); loads and saves are skipped", exc)
             except Exception as exc:  # a failed mapping must not take vLLM down
                 faults.caught(exc, "mapping the arena")
                 log.warning("kvtier: cannot map the arena: %s", exc)

@@ -53,7 +53,8 @@ from kvtier.storage.config import RedisConfig, redact_url
 from kvtier.storage.keys import REDIS_PREFIX, redis_key
 from kvtier.storage.signing import Signer
 from kvtier.storage.tiers.pins import PinBook
-from kvtier.storage.tiers.redis_wire import GetOutcome, RawEndpoint, RawPool, ServerReplyError
+from kvtier.storage.tiers.redis_pool import RawPool
+from kvtier.storage.tiers.redis_wire import GetOutcome, RawEndpoint, ServerReplyError
 
 log = logging.getLogger("kvtier.redis")
 T = TypeVar("T")

@@ -21,20 +21,16 @@ absolute deadline, so no call blocks longer than its budget even when the event 
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import socket
 import struct
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 from redis.asyncio.connection import parse_url
 
-from kvtier.runtime.handoff import wait_done
 from kvtier.storage import codec
 from kvtier.storage.base import BlobError, ChunkKey
 from kvtier.storage.signing import Mac, Signer
@@ -541,72 +537,3 @@ def _judge_head(
         return header, codec.payload_mac(signer, header)
     except codec.BlobForgedError:
         return GetOutcome.FORGED
-
-
-class RawPool:
-    """Up to ``size`` raw connections, each command run by a worker thread under a deadline."""
-
-    def __init__(
-        self,
-        endpoint: RawEndpoint,
-        size: int,
-        timeout: float,
-        executor: ThreadPoolExecutor,
-        signer: Signer | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self.signer = signer
-        self.executor = executor  # borrowed from the tier, which shuts it down
-        self._slots = asyncio.Semaphore(size)
-        self._idle: list[RawConnection] = []
-
-    async def run(self, op: Callable[[RawConnection, float], T]) -> T:
-        """Run op(connection, deadline) in a thread; on timeout or cancel, abort it and wait for it."""
-        async with self._slots:  # waiting for a connection is not part of the call's timeout
-            conn = self._idle.pop() if self._idle else RawConnection(self.endpoint, self.timeout, self.signer)
-            deadline = time.monotonic() + self.timeout
-            work = self.executor.submit(self._call, conn, op, deadline)
-            try:
-                async with asyncio.timeout(self.timeout):
-                    result = await asyncio.wrap_future(work)
-            except BaseException as exc:
-                if not work.done():
-                    conn.abort()  # the thread may be writing into the caller's buffer: stop it
-                    await wait_done(work)
-                if not isinstance(exc, ServerReplyError):
-                    self.drop_idle()  # the server likely went away: its other sockets are dead too
-                self._put_back(conn)
-                raise
-            self._put_back(conn)
-            return result
-
-    @staticmethod
-    def _call(conn: RawConnection, op: Callable[[RawConnection, float], T], deadline: float) -> T:
-        try:
-            if conn.connected and conn.stale():
-                conn.close()
-            if not conn.connected:
-                conn.connect(deadline)
-            return op(conn, deadline)
-        except ServerReplyError:
-            raise  # the reply was read whole: the connection is still in sync
-        except BaseException:
-            conn.broken = True
-            raise
-
-    def _put_back(self, conn: RawConnection) -> None:
-        if conn.broken or not conn.connected:
-            conn.close()
-        else:
-            self._idle.append(conn)
-
-    def drop_idle(self) -> None:
-        """Close every idle connection (no thread holds an idle one)."""
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    def close(self) -> None:
-        """Close idle connections (a running command's connection closes when it ends)."""
-        self.drop_idle()

@@ -51,6 +51,7 @@ RESPAWN_BOUND_S = 20.0  # a liveness bound: a service that never serves again fa
 CONCURRENCY = 4
 MAX_TOKENS = 8
 PROBE = make_prompt(4242, 4 * CHUNK + 10)  # shares no block with the load: four whole chunks
+PROBE_ROUNDS = 3
 EXTERNAL = "vllm:kvtier_external_tokens_total"
 SERVER_ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20)]
 # vLLM's reset endpoint (POST /reset_prefix_cache) exists only in its development mode.
@@ -166,22 +167,29 @@ def _reset_prefix_cache(server: OpenAIServer) -> None:
     wait_for(lambda: server.post("/reset_prefix_cache", {})["success"], 60, "vLLM's prefix cache to reset")
 
 
-def _probe_hit(server: OpenAIServer, admin: int) -> tuple[float, list[int], list[int]]:
-    """Store PROBE through the service, empty vLLM's own cache, ask again: (external tokens of the
-    second answer, first tokens, second tokens)."""
+def _probe_hits(server: OpenAIServer, admin: int) -> tuple[list[float], list[list[int]]]:
+    """Store PROBE through the service, empty vLLM's own cache, ask again; once more while nothing
+    was loaded, at most PROBE_ROUNDS times: (external tokens of each round's second answer, every
+    answer). A rank whose worker is still mapping the new service's arena skips that step's saves,
+    and every rank must hold a chunk for it to be a hit, so the first round may find nothing yet
+    (seen on a TP=2 engine whose two workers keep both cores busy)."""
     body = {"model": SERVED_NAME, "prompt": PROBE, "max_tokens": MAX_TOKENS, "temperature": 0}
     body["return_token_ids"] = True
-    first = server.post("/v1/completions", body)["choices"][0]["token_ids"]
 
     def quiet() -> bool:
         stats = admin_stats(admin)
         return bool(stats["leases_active"] == 0 and stats["write_queue_depth"] == 0)
 
-    wait_for(quiet, 60, "the service to finish the probe's saves")
-    _reset_prefix_cache(server)
-    before = metric_total(server.metrics(), EXTERNAL)
-    second = server.post("/v1/completions", body)["choices"][0]["token_ids"]
-    return metric_total(server.metrics(), EXTERNAL) - before, first, second
+    hits: list[float] = []
+    answers: list[list[int]] = []
+    while len(hits) < PROBE_ROUNDS and not any(hits):
+        answers.append(server.post("/v1/completions", body)["choices"][0]["token_ids"])
+        wait_for(quiet, 60, "the service to finish the probe's saves")
+        _reset_prefix_cache(server)
+        before = metric_total(server.metrics(), EXTERNAL)
+        answers.append(server.post("/v1/completions", body)["choices"][0]["token_ids"])
+        hits.append(metric_total(server.metrics(), EXTERNAL) - before)
+    return hits, answers
 
 
 def _run_kills(
@@ -215,15 +223,15 @@ def _run_kills(
             )
             done = load.done
             wait_for(lambda: load.progressed(done, 4), 120, "the load to go on after the last restart")
-        hit, first, second = _probe_hit(server, admin)
+        hits, answers = _probe_hits(server, admin)
         respawns = metric_total(server.metrics(), "vllm:kvtier_service_respawns_total")
         failures = metric_total(server.metrics(), "vllm:kvtier_service_respawn_failures_total")
     finally:
         stop(server)
     assert not load.errors, f"{len(load.errors)} requests failed: {load.errors[:3]}"
     assert len(times) == KILLS, times
-    assert hit == 4 * CHUNK, f"the probe loaded {hit} tokens from kvtier, not its {4 * CHUNK}"
-    assert second == first, "the probe's answer changed when its KV came from kvtier"
+    assert hits[-1] == 4 * CHUNK and not any(hits[:-1]), f"the probe's rounds loaded {hits} tokens"
+    assert all(a == answers[0] for a in answers), "the probe's answer changed when its KV came from kvtier"
     assert (respawns, failures) == (KILLS, 0), f"vLLM's metrics count {respawns} respawns, {failures} failed"
 
 
