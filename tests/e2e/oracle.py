@@ -26,7 +26,7 @@ def assert_same_outputs(expected: Outputs, actual: Outputs) -> None:
     assert not problem, f"outputs differ: {problem}"
 
 
-# Forced preemption, as traced in the facts file: two 34-token prompts, 35 new tokens each, and four
+# Forced preemption, as traced on the CPU build: two 34-token prompts, 35 new tokens each, and four
 # usable 32-token blocks (one of the five is the null block) cannot hold both requests at once.
 PREEMPTION_ENGINE = dict(max_model_len=128, num_gpu_blocks_override=5)
 PREEMPTION_PROMPT_LEN = 34

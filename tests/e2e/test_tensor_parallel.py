@@ -27,7 +27,8 @@ PROMPT_LENS = (200, 140)  # 3 and 2 full chunks; 4 new tokens complete no furthe
 STORED = 5  # chunks per rank
 REUSED = 192 + 128  # tokens taken from kvtier per rank: every stored chunk, short of the last token
 MAX_TOKENS = 4
-# One core per rank (the facts file): without the bind list vLLM finds too few NUMA nodes.
+# One core per rank: without the bind list vLLM's CPU build stops with "Not enough allowed NUMA
+# nodes to bind threads of 2 local CPUWorkers".
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 TP_ENGINE = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
 
