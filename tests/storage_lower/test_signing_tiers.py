@@ -78,7 +78,8 @@ async def test_redis_forgery_is_counted_not_loaded_and_deleted(
             assert not await tier.get_into(key(1), memoryview(dest))
         assert tier.stats().errors == {"forged": 1}
         assert raw.exists(redis_key(key(1))) == 0
-        assert [r.getMessage() for r in caplog.records if "forged" in r.getMessage()] == [
+        # Distinct lines: a record reaches pytest twice where an earlier test routed kvtier's lines to vLLM.
+        assert sorted({r.getMessage() for r in caplog.records if "forged" in r.getMessage()}) == [
             f"redis {redis_server.url}: {key(1)} failed its MAC check (forged); deleted"
         ]
     finally:
@@ -150,8 +151,14 @@ async def test_object_forgery_is_counted_not_loaded_and_deleted(
         with pytest.raises(FileNotFoundError):
             await obstore.head_async(store, object_path(key(1)))
         assert (
-            len([r for r in caplog.records if "forged" in r.getMessage() and str(key(1)) in r.getMessage()])
-            == 1
+            len(
+                {
+                    r.getMessage()
+                    for r in caplog.records
+                    if "forged" in r.getMessage() and str(key(1)) in r.getMessage()
+                }
+            )
+            == 1  # distinct lines, as above
         )
     finally:
         await tier.close()
