@@ -7,7 +7,7 @@
 # ---- build: a wheel of the repository, so the final image carries no source tree or build tools.
 FROM python:3.11.13-slim-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY runtime ./runtime
 COPY app ./app
 COPY storage ./storage

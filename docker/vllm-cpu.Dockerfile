@@ -6,7 +6,7 @@
 # ---- build: a wheel of kvtier.
 FROM python:3.11.13-slim-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY runtime ./runtime
 COPY app ./app
 COPY storage ./storage

@@ -484,12 +484,12 @@ def test_images_install_kvtier_without_vllm_extras() -> None:
 
 
 def _wheel_inputs() -> set[str]:
-    """What `pip wheel .` reads from the checkout: pyproject.toml, its readme and license files, and
-    every package folder that pyproject.toml maps into the wheel."""
+    """What `pip wheel .` reads from the checkout: pyproject.toml, setup.py (package discovery), its
+    readme and license files, and every package folder that pyproject.toml maps into the wheel."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     folders = set(project["tool"]["setuptools"]["package-dir"].values())
     meta = project["project"]
-    return {"pyproject.toml", meta["readme"], *meta.get("license-files", []), *folders}
+    return {"pyproject.toml", "setup.py", meta["readme"], *meta.get("license-files", []), *folders}
 
 
 def _copied_into_wheel_stage(path: Path) -> set[str]:

@@ -28,7 +28,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in SHIPPED:
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.json"))
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, src / name)
     out = tmp_path_factory.mktemp("dist")
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
@@ -58,6 +58,23 @@ def test_wheel_holds_the_product_under_kvtier_only(wheel: Path) -> None:
     assert "kvtier/bench/harness.py" in names, "the benchmarks bring their own engine harness"
     assert "kvtier-0.1.0.dist-info/licenses/LICENSE" in names
     assert not any("/tests/" in name or name.startswith("tests/") for name in names)
+
+
+def test_wheel_ships_every_module_of_the_tree(wheel: Path) -> None:
+    """Every Python file under the shipped folders, subpackages included, is in the wheel under
+    kvtier/<folder>/...: setup.py discovers packages, so a new subpackage cannot be left out."""
+    names = set(_names(wheel))
+    expected = {
+        f"kvtier/{path.relative_to(REPO).as_posix()}"
+        for folder in SHIPPED
+        for path in (REPO / folder).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert len(expected) > 100
+    assert not expected - names, sorted(expected - names)
+    for name in expected:
+        folder = name.rsplit("/", 1)[0]
+        assert f"{folder}/__init__.py" in names, f"{folder} is not a package: its modules cannot import"
 
 
 def test_wheel_entry_points_name_the_kvtier_modules(wheel: Path) -> None:
