@@ -24,6 +24,7 @@ from kvtier.runtime.affinity import (
 )
 from tests.app import ROOT, python_env, wait_until
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
+from tests.support.skips import missing
 
 # Binds its main thread to one CPU, as vLLM's CPU worker does before it builds the connector, then
 # starts the embedded service and a client from that thread; prints both threads' CPU sets.
@@ -66,7 +67,7 @@ def test_cpu_list_round_trip_and_errors() -> None:
 def test_client_thread_and_embedded_service_run_on_the_engines_cpus(tmp_path: Path) -> None:
     wide = sorted(os.sched_getaffinity(0))
     if len(wide) < 2:
-        pytest.skip("needs two CPUs to tell a bound thread from a free one")
+        missing("two CPUs (to tell a bound thread from a free one)")
     engine_id = f"affinity-{uuid.uuid4()}"
     env = python_env(KVTIER_SHM_DIR=str(tmp_path), KVTIER_CPU_SIZE="4MiB", KVTIER_LOG_LEVEL="WARNING")
     proc = subprocess.Popen(
@@ -144,7 +145,7 @@ def _libgomp() -> str:
 def test_a_process_started_through_call_on_leaves_the_spawning_threads_core() -> None:
     wide = frozenset(os.sched_getaffinity(0))
     if len(wide) < 2:
-        pytest.skip("needs two CPUs to tell a bound thread from a free one")
+        missing("two CPUs (to tell a bound thread from a free one)")
     core = min(wide)
     bound_env = dict(python_env(), OMP_PLACES=f"{{{core}}}", OMP_PROC_BIND="true", LD_PRELOAD=_libgomp())
     seen: dict[str, list[int]] = {}

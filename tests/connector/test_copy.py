@@ -246,6 +246,7 @@ def test_the_fence_waits_for_a_save_still_copying(slot_bytes, monkeypatch) -> No
     assert seen == [None]
     assert bytes(buf) == b"".join(p[b].numpy().tobytes() for b in (7, 8) for p in copier.layers[0])
     opener.join(30)
+    assert not opener.is_alive()
     copier.close()
 
 
@@ -283,6 +284,7 @@ def test_a_waiter_copies_the_layers_itself_while_the_copy_thread_is_busy(slot_by
         assert all(torch.equal(d[b], s[b + 3]) for b in (1, 2, 3))
     release.set()
     waiter.join(30)
+    assert not waiter.is_alive()
     assert finished_alone, "the load waited for the busy copy thread"
     loader.wait()  # the copy thread's turn comes after: it finds nothing left to copy
     for s, d in zip(src, dst, strict=True):
@@ -329,7 +331,17 @@ def test_a_failed_layer_copy_stops_both_ends_and_is_reported() -> None:
             raise OSError("bad page")
         copied.append(layer)
 
+    parked = threading.Event()
+
+    class Observed(threading.Condition):
+        """The loads' condition, telling the test when a thread waits on it."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            parked.set()
+            return super().wait(timeout)
+
     loads = _CpuLayerLoads(6, copy_layer)
+    loads._cond = Observed()  # before any thread uses it
     front = threading.Thread(target=loads.run)
     front.start()
     assert started.wait(10)
@@ -342,12 +354,15 @@ def test_a_failed_layer_copy_stops_both_ends_and_is_reported() -> None:
 
     back = threading.Thread(target=wait_all)
     back.start()
-    # The waiter copied layer 5, failed on layer 4, and must not return while layer 0 is copied.
-    assert not waiter_done.wait(0.2)
+    # The waiter copies layer 5, fails on layer 4, and then must wait for layer 0's copy rather
+    # than return: it parks on the condition (a waiter that returned would never park).
+    assert parked.wait(10), "the waiter returned (or hung) instead of waiting for the running copy"
+    assert not waiter_done.is_set() and copied == [5]
     release.set()
     front.join(10)
     back.join(10)
-    assert isinstance(result[0], OSError)
+    assert not front.is_alive() and not back.is_alive()
+    assert isinstance(result[0], OSError) and sorted(copied) == [0, 5]
     assert sorted(copied) == [0, 5]  # nothing after the failure: layers 1-3 were never claimed
     assert loads.ended is not None
 

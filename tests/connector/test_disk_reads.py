@@ -97,6 +97,7 @@ def _read_on_two_threads(disk: Disk, reads: list[DiskRead]) -> DiskReadResult:
         for task in tasks[::2]:
             gated(task)
         other.join(10)
+        assert not other.is_alive()
 
     plain, disk.reader.run_all = disk.reader.run_all, run_all
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.bench.arena_client import done
+from tools.arena_client import done
 from kvtier.connector import faults
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.storage.base import SlotRef, Tier
@@ -77,6 +77,7 @@ def test_each_layer_is_in_place_once_its_wait_returns_and_the_lease_ends_after_t
     assert client.released == []  # the slot is still being read
     gate.set()
     waiter.join(10)
+    assert not waiter.is_alive()
     assert order == ["layer 0 copied", "waited"], "layer 0's wait returned before its copy"
     for layer in range(LAYERS):  # every layer in place once layer 0's wait returned
         assert torch.equal(_layer_block(kv, layer, 3), stored[layer, 0])

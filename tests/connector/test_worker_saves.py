@@ -144,6 +144,7 @@ def test_preemption_fences_deferred_saves(gated) -> None:
     assert client.commits == []  # the save still waits at the gate: the fence cannot have ended
     gate.set()
     thread.join(10)
+    assert not thread.is_alive(), "the fence never returned"
     # The fence returned only once the copy had ended and been committed.
     assert commits_when_fenced == [1] and [h for h, _ in client.commits] == [[b"a"]]
 

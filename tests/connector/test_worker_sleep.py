@@ -40,6 +40,7 @@ def _asleep_with_a_save_and_a_stage_in_flight(worker: Any, client: Any, monkeypa
     sleeper.start()
     gate.set()
     sleeper.join(10)
+    assert not sleeper.is_alive(), "unregister_kv_caches never returned"
     return order
 
 
