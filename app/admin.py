@@ -1,15 +1,9 @@
 """Admin HTTP: probes, ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /stats`` (JSON) and
 ``POST /lookup`` (for routers: how many leading blocks of a prompt each tier holds).
 
-A deliberately small HTTP/1.1 server on asyncio streams: one request per connection, bounded request
-size and read time, ``Connection: close``. It reads the service's state on the service's own loop,
-so it needs no locks, and exposes no settings (no secrets can leak through it).
-
-The two probes mean different things. ``/livez`` answers 200 whenever the process and its event loop
-answer at all (a blocked loop answers nothing, and the probe times out); it stays 200 while the
-service drains, so a graceful stop is never cut short. ``/readyz`` answers 200 only while the
-service can serve: its listener accepts connections, no shutdown has begun and the store is
-open (the server runs only while the store is: ``run_service`` closes it before the store).
+Who owns what: no state of its own; it reads the service's state on the service's loop (so no locks)
+and exposes no settings.
+Design: docs/internals.md#admin-http-adminpy
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """One call of a ServiceClient: the future its caller holds, which reads its own reply.
 
-A thread that blocks on a call (``result()`` or ``exception()``, with no timeout or a positive one)
-reads the socket itself through the call's reader, so the reply wakes it directly instead of waking
-the client's loop thread, which would then wake it: one thread hand-off less per call. A poll
-(``done()``, ``result(0)``) reads nothing itself (see kvtier.app.client_loop's await_reply).
-
-Call implements the part of ``concurrent.futures.Future``'s interface that callers use (result,
-exception, done, cancel, cancelled, add_done_callback), without its per-future Condition: a call is
-made for every lookup, and most are answered before anyone waits, so the wake-up lock of a thread
-that must wait is made only then.
+A thread that blocks on a call reads the socket itself, so the reply wakes it directly; a poll reads
+nothing. It is the part of ``concurrent.futures.Future`` callers use, with no per-call Condition.
+Design: docs/internals.md#service-client-clientpy-client_looppy-client_connectionpy-client_callpy
 """
 
 from __future__ import annotations

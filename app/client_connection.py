@@ -1,12 +1,9 @@
 """One connection of a ServiceClient: a non-blocking socket written from any thread, read by one
 thread at a time.
 
-Who owns what: the client's lock guards ``write`` and ``close``; the client's loop thread flushes
-what a write left behind and watches the socket for replies (``watch``/``park``). Replies are read by
-whoever holds ``reading``: the loop thread, or a caller blocked on a reply of its own (see
-kvtier.app.client_call). While a caller reads, the loop thread stops watching the socket (``park``),
-so a reply wakes one thread, not two. ``close`` never closes the socket under a reader's feet: it
-shuts it down, which wakes the reader, and the reader closes it when it lets go of ``reading``.
+Who owns what: the client's lock guards ``write`` and ``close``; the loop thread flushes and watches
+the socket; replies are read by whoever holds ``reading`` (the loop thread or a blocked caller).
+Design: docs/internals.md#service-client-clientpy-client_looppy-client_connectionpy-client_callpy
 """
 
 from __future__ import annotations

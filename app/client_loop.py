@@ -1,17 +1,9 @@
 """The loop-thread half of a ServiceClient (kvtier.app.client): the state it shares with callers, the
 connection's life, the sweep, and reading replies.
 
-Who owns what: the client's own thread runs an event loop, and that loop owns the connection
-(connect, handshake, reconnect through kvtier.app.client_reconnect, loss, shutdown) and the sweep,
-a timer that fails calls past their deadline, sends frames callers held back and watches for
-replies again when no caller reads them. ``_lock`` guards the socket's writes, the table of calls in
-flight, the queue of calls made while connecting and the connection state; the loop thread takes it
-only briefly and never blocks while holding it. Replies are read by the loop thread or, through
-``await_reply``, by a caller blocked on a call of its own (kvtier.app.client_call); replies for
-other calls that it reads on the way complete their futures in its thread.
-
-The sweep runs by the first deadline of a call in flight and otherwise rarely: every wake-up of the
-loop thread lands in the middle of vLLM's forward, on its cores.
+Who owns what: the client's own thread runs an event loop that owns the connection and the sweep;
+``_lock`` guards the socket's writes, the calls in flight and the connection state, held briefly.
+Design: docs/internals.md#service-client-clientpy-client_looppy-client_connectionpy-client_callpy
 """
 
 from __future__ import annotations

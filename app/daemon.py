@@ -1,11 +1,8 @@
 """How the embedded service lives outside vLLM's process tree yet still ends with its engine.
 
-vLLM stops an engine by SIGKILLing every descendant of its processes (``kill_process_tree``), which
-would leave the socket and the arena file of a service that is its child behind. So the embedded
-service detaches: the process the engine spawns forks the real service and exits once that one
-listens (or with its exit status if it could not start), and the service is re-parented away from
-vLLM. It still learns when the engine exits: ``ParentWatch`` holds a pidfd of the spawning process,
-opened while that process was its parent, so a recycled pid can never be mistaken for it.
+The service detaches from the process the engine spawns (vLLM SIGKILLs its processes' descendants)
+and watches that process through a pidfd (``ParentWatch``), so a recycled pid is never taken for it.
+Design: docs/internals.md#embedded-mode-embeddedpy-daemonpy
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Embedded mode: one private kvtier service per vLLM engine, started by whoever needs it first.
 
-With ``service_url`` empty, every kvtier process of an engine (scheduler and workers) calls
-``ensure_service(settings, engine_id)``. All of them derive the same socket path from the engine id;
-a file lock (``fcntl.flock``) lets exactly one of them find the socket dead and start
-``python -m kvtier.app.server``, while the others wait on the lock and then find it alive. The lock
-file is removed by whoever releases it (engine ids are new for every engine, so a lock file left
-behind would never be used again); one left by a process killed while holding it is swept by the
-next start of a service, if nobody holds its lock. The service writes its log lines as text into the
-stream the engine logs to (``log_stream``), so they appear in vLLM's log among vLLM's own.
-
 Who owns what: the spawned service owns its socket, arena and state file and removes them when it
-stops. It detaches from the spawner once it listens (vLLM SIGKILLs its processes' descendants at
-shutdown; see app/daemon.py) and stops on SIGTERM, or once the spawner is gone and no client is
-connected: a pidfd of the spawner wakes it at once, and a watchdog polls as well. The spawner keeps
-only a reaper thread for the short-lived process it started. A service that died hard (kill -9) leaves its
-state file behind; the next ``ensure_service`` under the lock removes the dead service's socket and
-arena (only if no live process holds the arena's lock) and starts a fresh one. Its CPU-tier chunks
-are lost, which the connector sees as misses.
+stops; the spawner keeps only a reaper thread for the short-lived process it started.
+Design: docs/internals.md#embedded-mode-embeddedpy-daemonpy
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The file channel: a service hands open chunk files of its disk tier to engines on its host.
 
-A disk hit read by the service costs two hops (engine -> service loop -> its I/O threads and back)
-and a second copy (file -> arena slot -> KV blocks). Over this channel the engine's worker asks for
-the files of the chunks it is about to load and gets open descriptors back (``SCM_RIGHTS``), then
-reads them itself straight into its KV blocks. An open descriptor keeps a file readable even if the
-chunk is evicted meanwhile; the lookup's lease keeps it from eviction until the load ends anyway.
-
-The channel is a ``SOCK_SEQPACKET`` unix socket beside the service's socket (``<socket>.files``):
-one datagram per request and per reply, so no framing. Its server is a thread per connection, not
-the service's event loop: opening files may block on a slow disk, and the service never does
-blocking I/O on its loop. Nothing here reads the disk tier's index; a file that is gone or corrupt
-is the reader's counted miss, as any other failed load.
+Who owns what: the channel's server runs a thread per connection, not the service's event loop
+(opening files may block), and reads nothing of the disk tier's index.
+Design: docs/internals.md#file-channel-file_channelpy
 """
 
 from __future__ import annotations

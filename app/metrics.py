@@ -1,11 +1,8 @@
 """The service's counters, its Prometheus registry and the JSON shape of `kvtier stats --json`.
 
-Who owns what: the service's event loop owns ServiceMetrics (plain ints bumped on the hot path, no
-locks, latency histograms included: a prometheus_client Histogram takes two locks per observation);
-the Prometheus registry belongs to one service instance, never the process-global one, and reads
-the store's counters and these at scrape time instead of keeping a second copy of them. Besides
-kvtier's own families the registry carries ``kvtier_build_info`` and prometheus_client's process,
-platform and GC collectors (what the process-global registry would have had).
+Who owns what: the service's event loop owns ServiceMetrics (plain ints, no locks); the registry
+belongs to one service instance, never the process-global one, and reads the counters at scrape time.
+Design: docs/internals.md#metrics-metricspy
 """
 
 from __future__ import annotations

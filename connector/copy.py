@@ -1,31 +1,8 @@
 """Block copies between vLLM's per-layer KV tensors and arena slots, as opaque bytes.
 
-A slot holds one chunk laid out ``[layer][block][page]``. A layer's page is the bytes of one block of
-that layer; where a layout splits it into several dense rows (planes, see ``kvtier.connector.layout``), a
-page is the concatenation of the block's rows in every plane.
-
-This module imports torch only (no vLLM), so the CUDA data path and its benchmark run where vLLM cannot.
-On CPU, copies are slice assignments between numpy views of the same memory, one per run of
-consecutive blocks: memcpy speed, where torch's uint8 ``index_copy_`` crawls at a few hundred MB/s, and
-no temporary. A chunk whose blocks are scattered over many runs goes in one gather (``np.take``) or
-indexed assignment per layer instead (see ``chunk_rows``). With ``helper_cpus`` a ``CopyThread``
-copies every second chunk of a step while the caller copies the others (numpy drops the GIL inside
-large copies), so ``save``/``load`` may return before their bytes are in place. On CUDA the arena is
-registered as pinned host memory and ``kvtier.connector.copy_cuda`` moves chunks through a staging ring on
-streams of its own. Either way ``wait()`` is the fence.
-
-``save_batch`` is the worker's save path: with a second CPU or on CUDA, a whole step's save copies run
-after the caller returns, and a callback learns their outcome (see ``save_batch`` for why). On the CPU
-they run on a save thread of their own at a lower priority, apart from the copy thread that loads hits.
-``load_layers`` is the load path for hits the forward uses at once: it copies layer by layer (every
-chunk's layer 0, then layer 1, ...) behind the caller's back and answers with a ``LayerLoads`` whose
-``wait_layer(i)`` returns once layers 0..i are in place, so attention of early layers overlaps the
-loads of later ones (CPU: on the copy thread; CUDA: one event per layer piece, and the compute
-stream waits on it without blocking the host). On the CPU the copy thread copies layers from the first
-one up while a caller waiting for a layer copies from the last one down (see ``_CpuLayerLoads``).
-That overlap needs a CPU the model's threads leave free (``loads_overlap``): where they use every CPU
-the engine has, a copy thread takes a core from the forward's threads, which then wait for each
-other, so the loads are copied by the caller before the forward instead.
+Who owns what: a ``BlockCopier`` owns its copy and save threads (CPU) or its ``CudaCopier`` (CUDA);
+``wait()`` is the fence for every copy submitted before it.
+Design: docs/internals.md#cpu-copies-copypy-copy_threadpy
 """
 
 from __future__ import annotations

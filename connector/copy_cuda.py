@@ -1,22 +1,8 @@
 """Block copies between vLLM's paged KV tensors on a CUDA device and the pinned arena.
 
-A slot holds a chunk as ``[layer][block][page]`` with a block's planes side by side, so no range of a
-slot is one range of GPU memory, and one cudaMemcpy per (layer, plane, block) row is bound by
-launches. So a chunk moves in pieces (a range of layers, every block of the chunk): a Triton kernel
-gathers a piece into a GPU staging buffer laid out as the slot is, and the copy engine moves the
-buffer to the slot in one cudaMemcpyAsync (loads: the same, reversed). Kernels run on one stream and
-DMAs on another, over a ring of staging buffers, so the copy engine does not wait for the kernels.
-Block ids that step by 1 or -1 (see ``kvtier.connector.block_ids.block_runs``) go to the kernel as their
-first id and step, with no upload.
-
-Saves and loads each have a lane of their own (two streams and a staging ring), so a hit's load never
-queues behind the saves of earlier steps: loads run at CUDA's highest stream priority, saves at its
-lowest (CUDA's default, which vLLM's compute stream also has). Events the host waits on are blocking
-events, so a waiting thread sleeps instead of spinning on a core for a whole forward.
-
 Who owns what: a ``CudaCopier`` owns its lanes (streams, staging ring, events); the caller
-(``BlockCopier``) fences with ``synchronize()``. The arena must be registered as pinned memory
-(``kvtier.connector.pinning``), or the DMAs run from pageable memory, correct but slow.
+(``BlockCopier``) fences with ``synchronize()``.
+Design: docs/internals.md#cuda-copies-copy_cudapy-stagingpy-pinningpy
 """
 
 from __future__ import annotations

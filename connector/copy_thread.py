@@ -1,12 +1,8 @@
 """A second thread for CPU block copies, so a step's copies use two cores instead of one.
 
-Who owns what: the ``BlockCopier`` that creates a ``CopyThread`` owns it and is its only caller. The
-thread (a ``Lane``, the runner the disk tier's companions use) only runs the copy functions handed to
-it; numpy drops the GIL inside each large copy, so it and the caller's thread copy at the same time.
-``wait()`` is the fence: after it returns, every copy submitted before has ended, and the first error
-among them is raised there. A ``background`` thread runs at a lower CPU priority (for saves, which no
-one waits for until a fence; see app/affinity.py). ``on_start`` runs first on the thread: a CUDA
-copier's thread binds the KV cache's device there before any CUDA call (``pinning.bind_device``).
+Who owns what: the ``BlockCopier`` that creates a ``CopyThread`` owns it and is its only caller; the
+thread only runs the copies handed to it, and ``wait()`` is the fence.
+Design: docs/internals.md#cpu-copies-copypy-copy_threadpy
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Disk hits the worker reads itself: the chunk files, opened by the service and handed over its file
 channel (``kvtier.app.file_channel``), read with ``preadv`` straight into the KV blocks.
 
-One read per chunk lands every row where it belongs: the header into a small buffer, each loaded
-block's rows into the block, the rows of blocks the load skips (vLLM already holds them) into
-scratch. The checksum is then taken over the rows in payload order, as the service's disk tier does;
-a chunk that fails it is reported failed, and vLLM recomputes its blocks (the bytes written into them
-are never used: a request waiting for its load is not scheduled). Only for KV caches in host memory;
-a CUDA worker keeps the service's path (file -> pinned arena slot -> GPU blocks), which is already
-one read and one transfer.
-
-The reads run on vLLM's worker thread, never on a thread of their own: a thread that drops the GIL
-for every read waits up to the interpreter's switch interval to get it back while vLLM's thread runs
-Python (figures in docs/performance.md). They never
-wait for the disk either: opening a load asks the kernel to read the files ahead
-(``POSIX_FADV_WILLNEED``), and each poll (``advance``) reads with ``RWF_NOWAIT``, which takes only
-what the page cache holds; what is missing is taken at a later poll. Page cache warm, a load ends at
-its first poll.
+The reads run on vLLM's worker thread, never on one of their own, and never wait for the disk: each
+poll reads what the page cache holds (``RWF_NOWAIT``). Only for KV caches in host memory.
+Design: docs/internals.md#disk-hits-the-worker-reads-disk_readspy
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """How one layer's KV tensor splits into whole blocks: the dense rows ("planes") that make up a page.
 
-vLLM hands each layer's KV over as a strided view (``[B, H, N, C]`` over one flat buffer, in any of
-its ``KVCacheLayout`` orders; older builds used ``[2, B, ...]`` with K and V apart). Whatever the
-logical view, a block of one layer is a set of dense byte rows at fixed offsets from the block's
-start: one row when the block's page is dense (LBNHC, LBHNC, the B-outer layouts, MLA), one row
-per head where the head dimension sits outside the block (LHBNC, BHLNC). A plane is the uint8
-view ``[num_blocks, row_bytes]`` of one such row across all blocks, with the layout's block stride;
-a page is the block's rows of every plane, in address order. Copying planes row by row is copying
-the page as opaque bytes, so nothing here depends on what the bytes mean.
+Copying a block's planes row by row copies its page as opaque bytes, whatever vLLM's layout.
+Design: docs/internals.md#kv-layouts-layoutpy
 """
 
 from __future__ import annotations

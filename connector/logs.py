@@ -1,14 +1,8 @@
 """kvtier's lines inside vLLM's processes: in vLLM's log, in vLLM's format, at kvtier's log_level.
 
-The connector's modules log under ``vllm.kvtier`` (a child of vLLM's ``vllm`` logger, so they get
-vLLM's handler, format and stream). The app modules that run inside vLLM's processes (the client, the
-embedded spawner, the settings) log under ``kvtier``; ``ToVllmHandlers`` hands their records to the
-handlers of vLLM's logger. ``log_level`` is set on both loggers; vLLM's handler still drops what is
-below vLLM's own level. Where vLLM does not configure logging (``VLLM_CONFIGURE_LOGGING=0``) its logger
-has no handlers, and both kinds of lines reach the root logger as any library's would.
-
-vLLM's ``configure_logging`` resets the levels of loggers under ``vllm`` to NOTSET, so ``configure`` is
-called by every connector as it starts, after vLLM configured its logging.
+The connector logs under ``vllm.kvtier``; the app modules in vLLM's processes log under ``kvtier``,
+whose records ``ToVllmHandlers`` hands to vLLM's handlers.
+Design: docs/internals.md#logs-in-vllms-processes-logspy
 """
 
 from __future__ import annotations

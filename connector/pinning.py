@@ -1,16 +1,8 @@
 """Registering the arena mapping as pinned host memory, so CUDA copies to and from it run as DMA, and
 binding kvtier's own threads to the KV cache's device.
 
-A registration is split into pieces of at most ``PIN_PIECE_BYTES``, as vLLM's own offloading does
-for its host region (drivers refuse or stall on very large single registrations). Pieces end on slot
-boundaries (``pin_pieces``), so no slot is half pinned: a slot's DMA then never runs from pageable
-memory in part. Every failed call's error is cleared at once: the CUDA runtime keeps it for the next
-launch check, where one of vLLM's kernels would raise it.
-
-Devices: vLLM sets the CUDA device on its worker thread only. A thread of kvtier's own that makes a
-CUDA runtime call without setting it first runs on device 0, opening a second context there on every
-other rank (and registering the arena with a context its copies never use). So every function here
-takes the device explicitly and makes it the calling thread's device first (``bind_device``).
+Every function here takes the device explicitly and makes it the calling thread's device first.
+Design: docs/internals.md#cuda-copies-copy_cudapy-stagingpy-pinningpy
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """How much GPU memory the CUDA copier's staging buffers take.
 
-vLLM sizes its KV cache before any connector registers (``register_kv_caches`` comes after its
-memory profiling), so the staging buffers are not in vLLM's count: they come out of the headroom
-vLLM leaves (``1 - gpu_memory_utilization`` of the device, and what its estimate left over). So
-they are sized from the memory free when the copier is built: a copier's two lanes of ``RING``
-buffers take at most ``STAGING_SHARE`` of it, with pieces of fewer layers where the full
-``PIECE_BYTES`` would not fit, and a copier refuses to start (the worker then stays idle, saying
-why) where even one layer of a chunk per buffer would not fit in what is free.
+They come out of the headroom vLLM leaves, so they are sized from the memory free when the copier is
+built; a copier refuses to start where not even one layer of a chunk per buffer fits.
+Design: docs/internals.md#cuda-copies-copy_cudapy-stagingpy-pinningpy
 """
 
 from __future__ import annotations

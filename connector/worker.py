@@ -1,29 +1,8 @@
 """Worker-side connector: copies KV blocks between vLLM's cache and arena slots, reports completions.
 
 Who owns what: vLLM's worker thread owns this object and every copy. The service client's thread only
-completes futures; results are consumed here, on the worker thread, when vLLM polls. Per step:
-``bind_connector_metadata`` fires the reserves for this step's saves; ``start_load_kv`` starts copying
-CPU-tier hits into their blocks layer by layer and fires stages for lower-tier hits (or hands disk
-hits to its disk reader, which reads the chunk files straight into the blocks: ``disk_reads``);
-``wait_for_layer_load`` holds each attention layer until its loads are in place; ``wait_for_save`` hands
-the step's finished chunks to the copier, which copies them into reserved slots (on its copy thread,
-while vLLM goes on, when it has one) and then commits them (``worker_saves``); ``get_finished``
-completes async loads and reports held requests once every save issued before they were held has
-ended. Nothing waits on the service longer than a small bound.
-
-Deferred saves read blocks after wait_for_save returns, so every path on which vLLM may reuse a
-block fences first: ``handle_preemptions`` (preempted requests, and sliding-window blocks of hybrid
-engines handed out again), held finished requests (reported only after their saves end), a new
-arena and shutdown. A hybrid engine (several KV cache groups) loads asynchronously only, and reports
-a failed load as its request's (``take_failed_loads``): vLLM maps failed blocks to requests only with
-one group.
-
-Layer-by-layer loads are safe only if vLLM calls ``wait_for_layer_load`` for every layer before its
-attention reads it; a replayed full CUDA graph, for one, does not. So the step's loads are checked
-when they are finished (at the first of wait_for_save, get_finished or the load-error report, all
-after the forward): if a layer was never waited for, every block of those loads is reported as a
-load error (vLLM recomputes it and drops the step's token), and from then on loads are fenced before
-the forward.
+completes futures; results are consumed here, on the worker thread, when vLLM polls.
+Design: docs/internals.md#worker-side-workerpy-worker_savespy-worker_arenapy
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The worker's mapping of the service's arena, tied to one service instance, pinned for DMA.
 
-Who owns what: the worker thread owns the ``WorkerArena`` and every mapping it adopts. With CUDA a
-pin thread of its own registers a new mapping (seconds for a large arena) and unregisters and unmaps
-a replaced one, so neither sits on vLLM's serving path; a mapping serves copies only once its pinning
-has ended. At start-up (``register_kv_caches``) the caller may pin in place instead. The pin thread
-binds the KV cache's device before its first CUDA call (``pinning.bind_device``): registering with
-another device's context would leave the copies running from pageable memory.
+Who owns what: the worker thread owns the ``WorkerArena`` and every mapping it adopts; with CUDA a pin
+thread of its own pins new mappings and unpins replaced ones, off vLLM's serving path.
+Design: docs/internals.md#worker-side-workerpy-worker_savespy-worker_arenapy
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Which CPUs kvtier's own threads and processes run on, and at what priority.
 
-vLLM's CPU worker binds the thread that runs the model (and every thread and process it starts
-afterwards) to the cores it computes on. A kvtier thread or service started from there would inherit
-that binding and wait behind the model's OpenMP threads for every reply, so kvtier's own threads and
-its embedded service run on the CPUs the engine was started with: the calling thread's set widened by
-its parent process's, which still honours a ``taskset`` or cpuset applied to the whole server. A
-process kvtier starts is started from a thread on those CPUs (``call_on``) and without OpenMP's
-placement settings (``unbound_environ``): vLLM's CPU build preloads an OpenMP runtime into every
-process started with its environment, which would bind the child to the model's core at exec.
-
-Work that can wait runs at a lower priority. A save's copy into the arena runs at nice +10
-(``deprioritize``): at normal priority it takes cores from the prompt whose first token is waiting,
-and at idle priority (SCHED_IDLE) it would starve while the model's threads stay busy, holding
-finished requests' blocks. The service's disk writes hold nothing of vLLM's and run at idle priority
-(``run_when_idle``); writes that never find an idle core fill the write-behind queue, which then drops
-(and counts) what does not fit. The figures behind each choice are in docs/performance.md.
+kvtier's threads and processes run on the CPUs the engine was started with, never the model's cores;
+work that can wait runs at nice +10 (a save's copies) or at idle priority (the service's disk writes).
+Design: docs/internals.md#cpus-and-priorities-affinitypy
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """Running blocking tier I/O in threads without letting cancellation free a borrowed buffer early.
 
-A tier's get_into writes into the caller's buffer from a worker thread. If the awaiting task were
-cancelled and returned at once, the caller could reuse the buffer while the thread still writes into
-it. ``run_to_end`` and ``Job.result`` therefore wait for the thread to finish before the cancellation
-propagates; the thread's own I/O timeouts bound that wait.
-
-``IOThreads`` is the disk tier's hand-off: a C queue carries each call to a thread, and one
-``call_soon_threadsafe`` brings the outcome back, settling the job (and its bookkeeping hook) and
-waking its waiters in the same loop iteration: cheaper per call than ThreadPoolExecutor plus
-``wrap_future``, by a measurable share of a 2 MiB chunk's time (docs/performance.md).
-
-Each worker has a companion ``Lane``, one more thread, so one job can keep both cores busy: the
-worker hands one call to its companion through a ``Handoff`` and goes on with the rest of the job (the
-disk tier checksums a chunk there while the worker writes it; a read splits a chunk's segments with it
-through ``TwoEnds``). Both release the GIL while they work (``preadv``, xxhash's ``update``). A
-companion is offered only while fewer jobs run than there are cores: with every core busy already it
-would only make threads take turns; and only for jobs of ``COMPANION_MIN_BYTES`` or more: waking it
-and trading the GIL with it cost more than it takes over from a smaller job. A handed-off call may
-use the caller's buffer, so the job settles its Handoff before it returns: the job ending still means
-no thread uses the buffer any more.
-
-Who owns what: a Job's outcome, hook and waiters belong to the event loop that submitted it; its
-thread only runs the call and posts the outcome back. A Handoff belongs to the worker that made it;
-its companion only runs the call, if it gets to it first, and keeps the outcome for the worker.
+Who owns what: a Job's outcome, hook and waiters belong to the event loop that submitted it (its thread
+only runs the call); a Handoff belongs to the worker that made it (its companion only runs the call).
+Design: docs/internals.md#thread-hand-offs-handoffpy
 """
 
 from __future__ import annotations

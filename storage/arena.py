@@ -1,29 +1,9 @@
 """The shared-memory arena: one tmpfs file mapped by the service and by vLLM workers, cut in slots.
 
-Who owns what:
-- ``Arena`` (service process) creates the file, owns its mapping, its pre-fault thread and its
-  unlink. It is not thread-safe apart from the pre-fault thread, which only asks the kernel to
-  populate pages.
-- ``ArenaMapping`` (any process) maps an existing arena by path and hands out views of slots.
-- ``SlotAllocator`` (service event loop) owns the byte ranges; the CPU tier decides what lives in
-  them.
-
-Allocator choice: a free-extent allocator (best fit, 4 KiB aligned, neighbours coalesced on free)
-rather than per-size slabs. Each namespace's slots have its own ``chunk_bytes`` and several
-namespaces share one ``cpu_size`` budget; slabs would have to fix how much of the arena each size
-may hold, or move whole slabs between sizes by evicting everything in them. With one namespace (the
-common case) every extent has the same size, any freed slot fits the next chunk and eviction is
-exact LRU. With mixed sizes, best fit keeps large holes for large chunks; the CPU tier evicts LRU
-victims until a hole fits, which can evict more bytes than strictly needed when pinned chunks
-fragment the arena (bounded by the unpinned chunks).
-
-Pre-faulting: the first write to a fresh tmpfs page costs a page fault plus zeroing, several times
-slower than a write into a touched page (docs/performance.md). A background thread allocates the
-file's pages with ``posix_fallocate`` (no GIL held, and running out of tmpfs shows up as an error
-instead of a SIGBUS on a later write) and populates this process's page tables with
-``MADV_POPULATE_WRITE``, a few MiB at a time so startup never waits for it. madvise is called through
-ctypes, which drops the GIL (Python's ``mmap.madvise`` keeps it): a worker pre-faulting its mapping
-never stalls vLLM's thread. It never writes data, so slots in use while it runs are unharmed.
+Who owns what: ``Arena`` (service) owns the file, its mapping, its pre-fault thread and its unlink;
+``ArenaMapping`` (any process) maps an arena by path; ``SlotAllocator`` (service event loop) owns the
+byte ranges, and the CPU tier decides what lives in them.
+Design: docs/internals.md#arena-arenapy
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Every interface and value type of kvtier's storage layer, in one place.
 
-storage/ knows nothing of vLLM or torch. A chunk is the KV of ``chunk_size`` tokens for every layer,
-held as opaque bytes laid out ``[layer][block][page]``. Its key is ``(namespace, prefix hash)``: the
-namespace digests everything that makes bytes incompatible, the prefix hash is vLLM's chained block hash
-of the chunk's last block, so one hash names the whole prefix.
-
-Misses and tier failures are values on the hot path (a miss is normal); exceptions are reserved for
-programmer errors, bad configuration and the typed decode errors below.
+storage/ knows nothing of vLLM or torch. Misses and tier failures are values on the hot path;
+exceptions are for programmer errors, bad configuration and the typed errors below.
+Design: docs/internals.md#interfaces-and-value-types-basepy
 """
 
 from __future__ import annotations

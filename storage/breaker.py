@@ -1,12 +1,8 @@
 """A small circuit breaker, so a dead backend costs one timeout per period instead of one per call.
 
-States: closed (calls go through), open (calls are refused without touching the backend until
-``period`` has passed since it opened), half-open (one probe call goes through; its success closes the
-breaker, its failure opens it for another period). A probe that never reports back (its caller was
-cancelled) stops blocking after one more period, so the breaker cannot wedge in half-open.
-
 Who owns what: one breaker per backend, used from one event loop (or under the caller's own lock); it
 does no I/O and never sleeps. The clock is injected so tests step time by hand.
+Design: docs/internals.md#circuit-breaker-breakerpy
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Lease table: which chunks a lookup holds in place, in which tier, and until when.
 
-Who owns what: the store's event loop owns the table. The table keeps books only; pinning and
-unpinning slots and lower-tier keys is the store's job, done with the leases this table hands back
-when they are replaced, released or expired. Expiry uses an injected clock so tests step time by
-hand. Every lease lives ``ttl`` from its last (re)newal, so expiry order is renewal order: one ordered
-dict, renewed entries moved to its end, serves both lookups by id and the expiry sweep, and keeps no
-stale entry for a replaced or released lease.
+Who owns what: the store's event loop owns the table, which keeps books only: pinning and unpinning
+is the store's job, done with the leases the table hands back. The clock is injected.
+Design: docs/internals.md#tiered-store-storepy-leasespy-reservationspy
 """
 
 from __future__ import annotations

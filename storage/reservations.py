@@ -1,14 +1,8 @@
 """Saving chunks: slots reserved to be filled, their commit or abort, and the write policy.
 
-Who owns what: the store's event loop owns the reservations (slot offset -> key and slot, key ->
-offset); the CPU tier owns the slots themselves and the write-behind queue owns queued writes.
-A reserved slot ends in exactly one ``commit`` (it becomes the CPU tier's copy of its chunk, no
-byte moved) or ``abort`` (it goes back to the allocator).
-
-Deduplication (``reserve``): a key gets no slot when it is in the CPU index, already reserved, or in
-the write queue. Lower tiers are not asked: that would put a round trip on every save, and a chunk
-that is being saved again while a lower tier holds it is rare (the connector only saves what lookup
-missed).
+Who owns what: the store's event loop owns the reservations; the CPU tier owns the slots themselves
+and the write-behind queue owns queued writes. A reserved slot ends in exactly one commit or abort.
+Design: docs/internals.md#tiered-store-storepy-leasespy-reservationspy
 """
 
 from __future__ import annotations

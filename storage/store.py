@@ -1,20 +1,8 @@
 """The tiered store: lookups and their leases over every tier, and the StoreAPI the service calls.
 
-Who owns what: the service's event loop owns the store and everything in it (namespaces,
-reservations, CPU index, leases, promotions, write queue); nothing here is touched from another
-thread. The store owns the arena and the lower tiers it is given and closes them in ``close()``.
-Lower tiers do their own I/O off the loop; the store moves no payload bytes itself. Saving
-(reserve, commit, abort, the write policy) lives in ``storage.reservations`` and staging (promotion
-of lower-tier hits) in ``storage.staging``: the store hands each its CPU tier and its books.
-
-Pins: a CPU chunk is pinned (never evicted, its slot never reused) by every lease that holds it and
-by its queued lower-tier write. A lower-tier hit is pinned in its tier by the lease until it is
-staged (then the lease pins the promoted CPU copy instead), released, replaced or expired.
-
-Recency: a leased chunk is in use until its lease lets go of it (released, replaced by a lookup
-that no longer finds it, expired), and only then can it be evicted, so that is when it becomes the
-most recently used chunk; a lookup itself does not reorder the LRU. Repeated lookups of a waiting
-request then cost no per-chunk LRU work, and the order is that of last use.
+Who owns what: the service's event loop owns the store and everything in it; nothing here is touched
+from another thread. The store owns the arena and the lower tiers it is given, and closes them.
+Design: docs/internals.md#tiered-store-storepy-leasespy-reservationspy
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Write-behind queue from the CPU tier to the lower tiers (disk, Redis, object storage).
 
-Who owns what: the store's event loop owns the queue and its worker tasks. ``offer`` never waits:
-when the queue is full the write is dropped and counted. The caller pins a chunk's slot before
-offering it and ``on_done`` is called exactly once per accepted item, after every tier's put
-finished (or the item was abandoned at close), so the slot stays untouched while a tier reads it. A
-put is never cancelled while the store runs: a tier may read the slot from a thread that a
-cancellation would not stop.
-
-Each item goes to every lower tier at once (one put per tier, concurrently); ``workers`` items are
-in flight at a time. The object tier's put returns once it has copied the chunk out of the slot (its
-upload runs on in the background, bounded in bytes), so a slow object store holds neither the slot
-nor this queue.
+Who owns what: the store's event loop owns the queue and its worker tasks. ``offer`` never waits (a
+full queue drops and counts); ``on_done`` runs once per accepted item, after every tier's put ended.
+Design: docs/internals.md#write-behind-writebackpy
 """
 
 from __future__ import annotations

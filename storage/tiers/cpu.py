@@ -1,14 +1,8 @@
 """CPU tier: the arena's committed slots, indexed by chunk key, evicted LRU by bytes.
 
-Who owns what: the service's event loop owns this object (no locks). It owns the slot allocator, the
-index key -> entry, the LRU order and the pin counts. The index is keyed by namespace, then prefix
-hash, so a lookup probes it with the hashes it was given, without building a key per chunk; the LRU
-order holds the entries themselves, which hash by identity, cheaper than a key. Pins are counted
-per slot, not per key, because a deleted or replaced chunk's slot must stay untouched while a lease
-or a queued write still uses it: such a slot leaves the index at once and goes back to the allocator
-when its last pin goes.
-
-Zero copy: ``commit`` publishes the slot a worker filled; no byte is moved.
+Who owns what: the service's event loop owns this object (no locks): the slot allocator, the index
+key -> entry, the LRU order and the pin counts (per slot, not per key).
+Design: docs/internals.md#cpu-tier-cpupy
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
 """Disk tier: one self-describing blob file per chunk under ``disk_path``, LRU within ``disk_size``.
 
-Files live at ``disk_path/keys.disk_relpath(key)``; how they are written, read and verified is
-``storage.tiers.disk_files``, and the index (key -> file size, in LRU order) is
-``storage.tiers.disk_index``. Who owns what: the event loop owns the index, the pins, the byte
-accounting and the stats. File I/O runs in this tier's own few threads (``IOThreads``), one hand-off
-each way per chunk: a put writes, checksums and renames in one call; a get reads and verifies in one
-call; a put's bookkeeping runs in the hook that settles its job. The threads only run file I/O on
-paths and buffers handed to them; they never touch the index.
-
-Start: ``start()`` only creates ``disk_path``; the index loads in the background, from a scan of the
-directory on threads of its own (a fan-out directory per job, merged into the index on the loop), so
-the service serves at once and disk hits arrive as the index fills (``index_complete``,
-``wait_loaded``). There is no snapshot of the index to load instead: after a crash it would miss
-every file written since it was taken, whose bytes would then go uncounted, so the scan has to run
-anyway, and once it runs in the background a snapshot would only shorten the time to a full index,
-at the price of a second record of the same facts that can disagree with the files. During the load
-a lookup is a miss or an indexed file, and every read verifies the file, as always. Puts, deletes,
-clear and unpins stay exact (``disk_index.IndexLoad``); eviction waits for the full index, whose LRU
-order comes from the files' modification times, and meanwhile a put that does not fit in
-``disk_size`` with the bytes known so far is refused (counted ``full``), so the files never exceed
-``disk_size`` by more than those the scan has not reached yet.
-
-Pins and deletes: pinned keys are never evicted. ``delete`` of a pinned key hides it from
-``contains_many`` at once but keeps serving ``get_into`` to the lease that pinned it; the file goes when
-the last pin is released. Recency after a restart comes from file modification times (a hit does not
-touch the file, to keep reads free of metadata writes). Eviction frees ``disk_size`` / 1024 bytes
-beyond what a put needs, so its scan from the oldest end (see ``disk_index``) runs once per many puts.
+Who owns what: the event loop owns the index, the pins, the byte accounting and the stats; the tier's
+I/O threads (``IOThreads``) only run file I/O on the paths and buffers handed to them.
+Design: docs/internals.md#disk-tier-diskpy-disk_filespy-disk_indexpy
 """
 
 from __future__ import annotations

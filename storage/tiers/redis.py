@@ -1,32 +1,9 @@
 """Redis tier: one value per chunk (blob header + payload, one SET), shared by every kvtier that can reach it.
 
-Paths:
-- Single server over redis:// or unix:// (the common case): GET and SET go through RawPool, blocking
-  sockets driven by worker threads that read replies straight into the caller's buffer (values over
-  1 MiB as streamed GETRANGE slices, which spares the server a fresh buffer per reply) and send values
-  without packing them (see redis_wire). EXISTS, UNLINK and everything else use redis.asyncio.
-- TLS (rediss://), Redis Cluster (redis+cluster://, rediss+cluster:// or the redis_cluster setting) and an
-  injected client (tests: fakeredis) use redis.asyncio for everything; a cluster lookup is split into
-  one pipeline per shard, run concurrently.
-
-Failures: every call runs under ``redis_timeout``; a timeout or connection failure trips the circuit
-breaker, which refuses calls (counted as 'unavailable', answered as misses) until ``breaker_period``
-passes and one probe call succeeds. So a dead Redis costs one timeout per period, and nothing raises.
-On a cluster each node has its own breaker (``ClusterRouter``): a dead primary's keys are misses while
-the other shards serve on, and its slots are served again once the cluster promotes a replica.
-
-Pins: Redis evicts by its own TTL (``redis_ttl``, EX on every SET) and maxmemory policy, which a client
-cannot veto, so pins here only govern ``delete``: deleting a pinned key hides it from this tier's
-lookups at once and removes it from Redis when the last pin is released, so a lease that already
-counted the chunk can still stage it.
-
-Signing: with a signer (tier keys set) every value is a signed blob, its MAC computed and checked on
-the worker threads with the checksum; a value that does not verify is counted 'forged', logged at
-WARNING with its key, never loaded, and unlinked (codec.py, "Signed blobs").
-
 Who owns what: the event loop owns the pins, stats, breakers, cluster router and idle-connection list;
-worker threads own a raw connection only while running one command on it. The tier owns the clients it
-builds and closes them in close(); an injected client stays the caller's to close.
+worker threads own a raw connection only while running one command on it. The tier closes the clients
+it builds; an injected client stays the caller's to close.
+Design: docs/internals.md#redis-tier-redispy-redis_wirepy-redis_poolpy
 """
 
 from __future__ import annotations

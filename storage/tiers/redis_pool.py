@@ -3,6 +3,7 @@ worker thread of the tier under a deadline.
 
 Who owns what: the pool (event loop side) owns its idle connections and hands one to one worker
 thread per command; the executor is the tier's, which shuts it down.
+Design: docs/internals.md#redis-tier-redispy-redis_wirepy-redis_poolpy
 """
 
 from __future__ import annotations

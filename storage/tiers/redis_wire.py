@@ -1,22 +1,8 @@
 """The Redis tier's fast path: GET read straight into the caller's buffer, SET sent without packing.
 
-redis-py builds a bytes object for every GET reply and (with hiredis) copies every SET value into the
-packed command; for multi-MiB chunks those copies, not the server, cap throughput. Here one blocking
-socket per connection speaks just enough RESP2 for GET and SET against a single (non-cluster) server:
-
-- SET goes out with one ``sendmsg`` of [command head, blob header, payload view, tail]: the kernel
-  gathers the pieces, nothing is joined in Python.
-- A GET reply's length line and blob header come through a small read buffer; the payload is received
-  with ``recv_into`` straight into the destination (``MSG_WAITALL``, so the kernel fills it in as few
-  system calls as it can), then verified there.
-- A value over RANGE_PIECE is read as slices (GETRANGE), a few in flight, each hashed as it lands
-  (see ``_read_slices`` for why a single GET of a large value is slow on the server's side).
-
-Who owns what: a RawConnection is used by one worker thread at a time (RawPool, on the event loop's
-side, hands it out and keeps the idle ones); the only cross-thread call is ``abort()``, which shuts
-the socket down so a blocked call returns at once.
-Timeouts: the socket carries SO_RCVTIMEO/SO_SNDTIMEO of the call timeout and every loop checks an
-absolute deadline, so no call blocks longer than its budget even when the event loop side gave up.
+Who owns what: a RawConnection is used by one worker thread at a time (RawPool hands it out and keeps
+the idle ones); the only cross-thread call is ``abort()``, which shuts the socket down.
+Design: docs/internals.md#redis-tier-redispy-redis_wirepy-redis_poolpy
 """
 
 from __future__ import annotations
