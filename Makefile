@@ -39,12 +39,13 @@ test-fast: install
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 lint: install typecheck
-	$(VENV)/bin/ruff check app storage connector runtime tests bench docs deploy setup.py
-	$(VENV)/bin/ruff format --check app storage connector runtime tests bench docs deploy setup.py
+	$(VENV)/bin/ruff check app storage connector runtime tests bench tools docs deploy setup.py
+	$(VENV)/bin/ruff format --check app storage connector runtime tests bench tools docs deploy setup.py
 	$(VENV)/bin/lint-imports
 
 # mypy cannot follow the editable install's import hook, so it reads the product through build/typecheck,
-# a generated folder of links that names each top-level folder as it imports (kvtier/<folder>).
+# a generated folder of links that names each top-level folder as it imports (kvtier/<folder>); tools/,
+# which imports as `tools` from the repository root, it reads in place.
 TYPECHECK_VIEW := build/typecheck
 typecheck: install
 	@rm -rf $(TYPECHECK_VIEW) && mkdir -p $(TYPECHECK_VIEW)/kvtier

@@ -1,5 +1,6 @@
-"""`make bench`: every benchmark, one JSON (bench/results.json), a short table of the ratios and a
-chart of each figure against its target (next to the JSON, results.png, unless --chart says where)."""
+"""`make bench`: every benchmark, one JSON (kvtier-bench.json in the working directory, unless --out
+says where), a short table of the ratios and a chart of each figure against its target (next to the
+JSON, kvtier-bench.png, unless --chart says where)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from kvtier.bench.chart import Headline, targets_chart
 from kvtier.bench.floors import HIT_FLOOR_TARGETS
 from kvtier.bench.progress import step
 
-RESULTS = Path(__file__).resolve().parent / "results.json"
+# In the working directory, never beside the installed package; `kvtier bench serve` and `kvtier bench
+# kill` write their sections into the same file.
+RESULTS = Path("kvtier-bench.json")
 
 # (section, key, target, higher is better); the targets are the strictest an issue set.
 HEADLINES = [
-    # The storage benchmark's 2 MiB disk get (against a plain read) is a diagnostic in results.json:
+    # The storage benchmark's 2 MiB disk get (against a plain read) is a diagnostic in the JSON:
     # what a user feels is the hit's TTFT, which connector.hit_floor_ratio.disk measures.
     ("storage", "disk.put_ratio", 0.8, True),
     ("storage", "redis.put_ratio", 1.0, True),
@@ -115,23 +118,28 @@ def write_chart(results: dict[str, Any], path: Path) -> Path | None:
     return targets_chart(headlines(results), path, title)
 
 
+def merge_results(previous: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """results over the sections of an earlier file: `kvtier bench serve`, `kill` and others write
+    their own sections into the same file, and a run keeps every section it did not measure."""
+    return {**{key: value for key, value in previous.items() if key not in results}, **results}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `make bench` / `python -m kvtier.bench.all`."""
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.all", description=__doc__)
     parser.add_argument("--skip-ttft", action="store_true", help="skip the TTFT part (slow)")
-    parser.add_argument("--out", default=str(RESULTS), help="where to write the JSON")
+    parser.add_argument("--out", default=str(RESULTS), help=f"where to write the JSON (default: ./{RESULTS})")
     parser.add_argument(
         "--chart",
         default=None,
-        help="where to draw the chart (PNG; default: the JSON's path with .png, bench/results.png)",
+        help="where to draw the chart (PNG; default: the JSON's path with .png, ./kvtier-bench.png)",
     )
     parser.add_argument("--no-chart", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
     results = run_all(args.skip_ttft)
     out = Path(args.out)
-    # `kvtier bench serve` writes its own section into the same file: keep it.
     previous = json.loads(out.read_text()) if out.exists() else {}
-    merged = {**results, **{key: previous[key] for key in ("serve",) if key in previous}}
+    merged = merge_results(previous, results)
     out.write_text(json.dumps(merged, indent=2) + "\n")
     print(table(merged))
     print(f"\nwrote {out}")

@@ -36,6 +36,28 @@ QUICK_REQUESTS = 16  # the same under --quick
 
 
 # ------------------------------------------------------------------------------------------ (a) copies
+def _copy_rounds(
+    copier: Any, slot: Any, dst: np.ndarray, src: np.ndarray, ids: list[int], repeat: int
+) -> tuple[float, float, float]:
+    """Seconds of the best save, load and np.copyto, interleaved round by round: a stall of the host
+    must not land on one side only."""
+
+    def save() -> None:
+        copier.save(slot, ids)
+        copier.wait()
+
+    def load() -> None:
+        copier.load(slot, 0, ids)
+        copier.wait()
+
+    save_s = load_s = memcpy_s = float("inf")
+    for _ in range(repeat):
+        save_s = min(save_s, median_time(save, 1))
+        load_s = min(load_s, median_time(load, 1))
+        memcpy_s = min(memcpy_s, median_time(lambda: np.copyto(dst, src), 1))
+    return save_s, load_s, memcpy_s
+
+
 def bench_copy(repeat: int = 7) -> dict[str, float]:
     """Block copier save/load throughput vs np.copyto of the same bytes into a pre-touched mmap
     (best of `repeat` interleaved rounds each).
@@ -56,18 +78,13 @@ def bench_copy(repeat: int = 7) -> dict[str, float]:
     nbytes = copier.chunk_bytes
     arena = mmap.mmap(-1, nbytes)
     arena[:] = b"\x01" * nbytes  # pre-touch, as the arena is
-    slot = copier.slot_view(memoryview(arena))
     ids = list(range(3, 3 + 7 * bpc, 7))
     src = np.concatenate([k[ids].view(torch.uint8).numpy().reshape(-1) for k in kv])
-    dst = np.frombuffer(arena, dtype=np.uint8)
-    # Interleaved round by round and best of each: a stall of the host must not land on one side only.
-    save_s = load_s = memcpy_s = float("inf")
-    for _ in range(repeat):
-        save_s = min(save_s, median_time(lambda: (copier.save(slot, ids), copier.wait()), 1))
-        load_s = min(load_s, median_time(lambda: (copier.load(slot, 0, ids), copier.wait()), 1))
-        memcpy_s = min(memcpy_s, median_time(lambda: np.copyto(dst, src), 1))
+    # The views of the arena live in _copy_rounds alone, so the mapping can close after it.
+    save_s, load_s, memcpy_s = _copy_rounds(
+        copier, copier.slot_view(memoryview(arena)), np.frombuffer(arena, dtype=np.uint8), src, ids, repeat
+    )
     copier.close()
-    slot = dst = None  # drop the views so the mapping can close
     arena.close()
     gbps = nbytes / 1e9
     return {
@@ -99,7 +116,7 @@ def bench_scheduler(model: str, tmp: Path, num_requests: int = SCHEDULER_REQUEST
 
     def instrument(core: Any) -> None:
         connector = core.scheduler.connector
-        if not connector._client.wait_connected(30):
+        if not connector.wait_connected(30):
             raise RuntimeError("the scheduler's connector did not connect to the service within 30 s")
         clock.time_hooks(connector, SCHEDULER_HOOKS)
         clock.time_span(core.scheduler, "schedule")

@@ -30,10 +30,9 @@ def run_engine_core(
     **overrides: Any,
 ) -> CoreRun:
     """Run the prompts together to completion on an EngineCore; shut it down on every path."""
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.engine import EngineCoreEventType, EngineCoreRequest
+    from vllm.v1.engine import EngineCoreEventType
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
 
@@ -46,20 +45,7 @@ def run_engine_core(
     try:
         if on_start is not None:
             on_start(core)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            request = EngineCoreRequest(
-                request_id=f"req-{i}",
-                prompt_token_ids=list(prompt),
-                mm_features=None,
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=time.time(),
-                lora_request=None,
-                cache_salt=None,
-                data_parallel_rank=None,
-            )
-            core.add_request(*core.preprocess_add_request(request))
+        _add_requests(core, prompts, max_tokens)
         tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
         preempted = 0
         deadline = time.monotonic() + 600
@@ -72,8 +58,8 @@ def run_engine_core(
                     tokens[out.request_id].extend(out.new_token_ids)
                     # vLLM's own preemption events (what its num_preemptions metric counts).
                     preempted += sum(1 for ev in out.events or () if ev.type == PREEMPTED)
-        sched_conn = core.scheduler.connector
-        totals = dict(sched_conn._sched.totals) if sched_conn is not None else {}
+        sched_conn = getattr(core.scheduler, "connector", None)  # vLLM's Scheduler has one
+        totals = sched_conn.snapshot().totals if sched_conn is not None else {}
         return CoreRun(
             Outputs([tokens[f"req-{i}"] for i in range(len(prompts))]),
             preempted,
@@ -82,3 +68,24 @@ def run_engine_core(
         )
     finally:
         core.shutdown()
+
+
+def _add_requests(core: Any, prompts: Sequence[list[int]], max_tokens: int) -> None:
+    """Hand the prompts to the EngineCore as requests req-0, req-1, ... (greedy, max_tokens each)."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        request = EngineCoreRequest(
+            request_id=f"req-{i}",
+            prompt_token_ids=list(prompt),
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        core.add_request(*core.preprocess_add_request(request))

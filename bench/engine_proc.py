@@ -105,7 +105,7 @@ def kvtier_bypassed(llm: Any) -> Iterator[None]:
         "update_state_after_alloc": lambda request, blocks, num_external_tokens: None,
         # The generation goes on (see reset_cache), so the workers keep their namespaces.
         "build_connector_meta": lambda scheduler_output: KVTierMetadata(
-            generation=conn._sched.cfg.generation
+            generation=conn.snapshot().generation
         ),
         "request_finished": lambda request, block_ids: (False, None),
     }

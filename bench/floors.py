@@ -76,7 +76,7 @@ class FileRead:
         self.paths = [str(p) for p in paths]
         self.sizes = [os.stat(p).st_size for p in self.paths]
         self._buffer = np.full(max(1, sum(self.sizes)), 1, dtype=np.uint8)  # touched, as the arena is
-        self.data = memoryview(self._buffer)[: sum(self.sizes)]
+        self.data = self._buffer.data[: sum(self.sizes)]
 
     @property
     def nbytes(self) -> int:

@@ -106,7 +106,7 @@ def _pages(raw: Any, view: Any, num_blocks: int, ids: list[int]) -> Any:
     """uint8 ``[len(ids), page]``: each block's page of one layer, its bytes in address order."""
     import torch
 
-    from kvtier.bench.gpu_check_layouts import page_addresses
+    from kvtier.bench.kv_views import page_addresses
 
     return torch.stack([raw[page_addresses(view, num_blocks, b)] for b in ids]).view(torch.uint8)
 

@@ -1,4 +1,7 @@
-"""Reach the kvtier connectors and model runner of an engine running in this process."""
+"""Reach the kvtier connectors and model runner of an engine running in this process.
+
+The connectors are read through their public API (``KVTierConnector.snapshot()``), never their sides.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ def worker_connector() -> Any:
 
 
 def scheduler_totals(llm: Any) -> dict[str, Any]:
-    """Scheduler-side counters accumulated since the engine started."""
-    return dict(scheduler_connector(llm)._sched.totals)
+    """Scheduler-side counters accumulated since the engine started (as vLLM's stats reported them)."""
+    return scheduler_connector(llm).snapshot().totals
 
 
 def worker_totals() -> dict[str, Any]:
-    """Worker-side counters accumulated since the engine started."""
-    return dict(worker_connector()._worker.totals)
+    """Worker-side counters accumulated since the engine started (as vLLM's stats reported them)."""
+    return worker_connector().snapshot().totals
 
 
 def model_runner(llm: Any) -> Any:

@@ -68,6 +68,21 @@ def mla_kv_cache_views(
     )
 
 
+def page_addresses(view: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
+    """Where in the view's storage each byte of one block's page lies, in increasing order: the
+    block's dense rows in address order, derived from the view's strides alone."""
+    as_bytes = view.view(torch.int8)
+    ratio = as_bytes.shape[0] // num_blocks  # kernel blocks per block, consecutive in dim 0
+    sub = as_bytes[block * ratio : (block + 1) * ratio]
+    offsets = torch.tensor(sub.storage_offset(), dtype=torch.int64, device=view.device)
+    for dim, (size, stride) in enumerate(zip(sub.shape, sub.stride(), strict=True)):
+        shape = [1] * sub.dim()
+        shape[dim] = size
+        steps = torch.arange(size, dtype=torch.int64, device=view.device) * stride
+        offsets = offsets + steps.view(shape)
+    return offsets.flatten().sort().values
+
+
 def _views(
     num_layers: int,
     num_blocks: int,

@@ -45,7 +45,7 @@ def _recv_exact(conn: socket.socket, nbytes: int) -> bytes:
 
 def serve(listener: socket.socket, max_bytes: int) -> None:
     """Answer one connection's requests (a u32 count, then count u64 sizes) until a count of 0."""
-    payload = memoryview(pattern(max_bytes))
+    payload = pattern(max_bytes).data
     listener.settimeout(IDLE_TIMEOUT_S)
     conn, _ = listener.accept()
     with conn:
@@ -70,7 +70,7 @@ class LoopbackFloor:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
         self._buffer = np.full(max_bytes, 1, dtype=np.uint8)  # touched, as an arena slot is
-        self._view = memoryview(self._buffer)
+        self._view = self._buffer.data
         self._got = 0
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.bench.loopback", "--max-bytes", str(max_bytes)],

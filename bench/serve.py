@@ -15,7 +15,7 @@ Per run: request throughput, TTFT mean / median / p99, where the prompt tokens c
 vLLM's prefix cache, kvtier), and how many generated texts equal the first ceiling run's for the
 same prompt. Each figure is the median of --runs repetitions (each repetition runs the three in
 another order), with every run's value and the lowest and highest. The figures go under "serve" in
-bench/results.json (its other sections are kept).
+kvtier-bench.json in the working directory, the file `make bench` writes (its other sections are kept).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.all import RESULTS
 from kvtier.bench.demo import free_port, stop_server
 from kvtier.bench.engine_proc import STEADY_MALLOC_ENV
 from kvtier.bench.harness import kv_transfer_config
@@ -41,7 +42,6 @@ from kvtier.bench.models import ModelShape, build_model
 from kvtier.bench.progress import note, step
 from kvtier.bench.serve_plan import RUNS, KVSizing, RunResult, Workload, run_order, size_kv, summarize
 
-RESULTS = Path(__file__).resolve().parent / "results.json"
 SECTION = "serve"
 # Qwen3-0.6B's widths, four of its 28 layers.
 SHAPE = ModelShape(
@@ -353,7 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=int, default=3, help="repetitions of the three runs (default 3)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few requests: a smoke test")
     parser.add_argument(
-        "--out", type=Path, default=RESULTS, help="the JSON to write into (default: bench/results.json)"
+        "--out", type=Path, default=RESULTS, help=f"the JSON to write into (default: ./{RESULTS})"
     )
     parser.add_argument("--no-save", action="store_true", help="write no JSON file")
     parser.add_argument(

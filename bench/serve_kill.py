@@ -12,7 +12,8 @@ over a 48 MiB CPU tier and a disk tier. Per run, two servers one after the other
 Per run: each server's request throughput, kvtier's over the ceiling's, the seconds from the kill
 until a new service answers on the engine's socket (polled every 10 ms), which process of the
 engine restarted it (from the server's log), and failed requests (none allowed: the run fails).
-The medians over --runs, with every run's values, go under "serve_kill" in bench/results.json.
+The medians over --runs, with every run's values, go under "serve_kill" in kvtier-bench.json (in the
+working directory, unless --out says where).
 """
 
 from __future__ import annotations
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kill-at", type=float, default=8.0, help="seconds into the client's run (default 8)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write into")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help=f"the JSON to write into (default: ./{RESULTS})"
+    )
     parser.add_argument("--no-save", action="store_true", help="write no JSON file")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep logs and files in DIR")
     args = parser.parse_args(argv)

@@ -167,76 +167,91 @@ def _echo_run(path: str, plan: Plan, barrier: Any, out: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ service clients
+class _Calls:
+    """One client process's measured calls, each returning the seconds it took. The lease on the
+    repeated lookups' prompt is held between phases."""
+
+    def __init__(self, client: Any, ns: str, timeout: float) -> None:
+        self.client, self.ns, self.timeout = client, ns, timeout
+        self._seq = itertools.count()
+        self.lease = self._new_lease()  # the lease on the prompt now
+        self.prompts = [[os.urandom(HASH_BYTES) for _ in range(CHUNKS)] for _ in range(2)]
+        self.prompt = self.prompts[0]  # the repeated lookups' prompt
+        self._fresh_seq = itertools.count(1)
+
+    def _new_lease(self) -> str:
+        return f"bench-{os.getpid()}-{next(self._seq)}"
+
+    def lookup(self) -> float:
+        """As the connector does for a request that waits: every lookup takes a new lease id and ends
+        the previous lease in the same call."""
+        new = self._new_lease()
+        t0 = time.perf_counter()
+        reply = self.client.lookup(self.ns, self.prompt, new, replaces=self.lease).result(self.timeout)
+        took = time.perf_counter() - t0
+        self.lease = new
+        if reply.result.num_hit != CHUNKS:  # the lease keeps the prompt from eviction
+            raise RuntimeError(f"lookup found {reply.result.num_hit} of {CHUNKS} chunks")
+        return took
+
+    def lookup_fresh(self) -> float:
+        """As the connector does for a new request: a lease of its own, and a finished request's lease
+        released with no answer asked for (sent along with the next call)."""
+        new = self._new_lease()
+        other = self.prompts[next(self._fresh_seq) % 2]  # not the prompt that the lease it ends holds
+        t0 = time.perf_counter()
+        reply = self.client.lookup(self.ns, other, new).result(self.timeout)
+        took = time.perf_counter() - t0
+        self.client.release(self.lease)
+        self.lease = new
+        if reply.result.num_hit != CHUNKS:
+            raise RuntimeError(f"lookup found {reply.result.num_hit} of {CHUNKS} chunks")
+        return took
+
+    def commit(self) -> float:
+        """Reserve, write and commit a prompt of new chunks."""
+        fresh = [os.urandom(HASH_BYTES) for _ in range(CHUNKS)]
+        t0 = time.perf_counter()
+        _save(self.client, self.ns, fresh, self.timeout)
+        return time.perf_counter() - t0
+
+    def health(self) -> float:
+        """One health call."""
+        t0 = time.perf_counter()
+        self.client.health().result(self.timeout)
+        return time.perf_counter() - t0
+
+    def restore(self) -> None:
+        """Store the prompts again (unmeasured) so every measured lookup is a 64-chunk hit: the commit
+        phase evicts unleased chunks, and one longer than lease_ttl lets the lease expire."""
+        for stored in self.prompts:
+            _save(self.client, self.ns, stored, self.timeout)  # only the chunks not stored are written
+        if self.client.lookup(self.ns, self.prompt, self.lease).result(self.timeout).result.num_hit != CHUNKS:
+            raise RuntimeError("the prompt stored just now was evicted: give the arena more room")
+
+
 def _service_run(plan: Plan, barrier: Any, out: Any) -> None:
     from kvtier.app.client import ServiceClient
     from kvtier.storage.base import NamespaceSpec
 
     spec = NamespaceSpec(**SPEC)  # type: ignore[arg-type]
-    seq = itertools.count()
-    lease = f"bench-{os.getpid()}-{next(seq)}"  # the lease on the prompt now
     with ServiceClient(plan.url, timeout=plan.timeout) as client:
         ns = client.hello(spec).result(plan.timeout).namespace
-        prompts = [[os.urandom(HASH_BYTES) for _ in range(CHUNKS)] for _ in range(2)]
-        prompt = prompts[0]  # the repeated lookups' prompt, which the lease holds between phases
-        fresh_seq = itertools.count(1)
-
-        def lookup() -> float:
-            # As the connector does for a request that waits: every lookup takes a new lease id
-            # and ends the previous lease in the same call.
-            nonlocal lease
-            new = f"bench-{os.getpid()}-{next(seq)}"
-            t0 = time.perf_counter()
-            reply = client.lookup(ns, prompt, new, replaces=lease).result(plan.timeout)
-            took = time.perf_counter() - t0
-            lease = new
-            if reply.result.num_hit != CHUNKS:  # the lease keeps the prompt from eviction
-                raise RuntimeError(f"lookup found {reply.result.num_hit} of {CHUNKS} chunks")
-            return took
-
-        def lookup_fresh() -> float:
-            # As the connector does for a new request: a lease of its own, and a finished
-            # request's lease released with no answer asked for (sent along with the next call).
-            nonlocal lease
-            new = f"bench-{os.getpid()}-{next(seq)}"
-            other = prompts[next(fresh_seq) % 2]  # not the prompt that the lease it ends holds
-            t0 = time.perf_counter()
-            reply = client.lookup(ns, other, new).result(plan.timeout)
-            took = time.perf_counter() - t0
-            client.release(lease)
-            lease = new
-            if reply.result.num_hit != CHUNKS:
-                raise RuntimeError(f"lookup found {reply.result.num_hit} of {CHUNKS} chunks")
-            return took
-
-        def commit() -> float:
-            fresh = [os.urandom(HASH_BYTES) for _ in range(CHUNKS)]
-            t0 = time.perf_counter()
-            _save(client, ns, fresh, plan.timeout)
-            return time.perf_counter() - t0
-
-        def health() -> float:
-            t0 = time.perf_counter()
-            client.health().result(plan.timeout)
-            return time.perf_counter() - t0
-
-        calls = {"lookup": lookup, "lookup_fresh": lookup_fresh, "commit": commit, "health": health}
+        calls = _Calls(client, ns, plan.timeout)
+        by_phase = {"lookup": calls.lookup, "lookup_fresh": calls.lookup_fresh, "commit": calls.commit,
+                    "health": calls.health}  # fmt: skip
         rounds = []
         for _ in range(plan.rounds):
-            # The commit phase evicts unleased chunks, and one longer than lease_ttl lets the lease
-            # expire: store the prompts again (unmeasured) so every measured lookup is a 64-chunk hit.
-            for stored in prompts:
-                _save(client, ns, stored, plan.timeout)  # only the chunks not stored are written
-            if client.lookup(ns, prompt, lease).result(plan.timeout).result.num_hit != CHUNKS:
-                raise RuntimeError("the prompt stored just now was evicted: give the arena more room")
+            calls.restore()
             for _ in range(plan.warmup):
-                lookup()
+                calls.lookup()
             samples: dict[str, list[float]] = {}
             for phase in PHASES:
                 barrier.wait()
-                samples[phase] = [calls[phase]() for _ in range(plan.ops)]
+                samples[phase] = [by_phase[phase]() for _ in range(plan.ops)]
             barrier.wait()
             rounds.append(samples)
-        client.release(lease)
+        client.release(calls.lease)
     out.put(rounds)
 
 

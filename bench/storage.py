@@ -182,24 +182,25 @@ async def bench_disk(
         for k in keys_par:
             await tier.delete(k)
     _ref_clear(ref_dir, n)
+    return _put_get_figures(best, n, size)
+
+
+def _put_get_figures(best: dict[str, float], n: int, size: int) -> dict[str, Any]:
+    """GB/s of each phase's best round of n chunks of size bytes, and the tier's ratios to the
+    reference's: ref_put, put, put_par (and thread_put where measured), then the same for get."""
     fig = {name: _gbps(n * size, secs) for name, secs in best.items()}
-    return {
-        "size_mib": size // MIB,
-        "ref_put_gbps": fig["ref_put"],
-        "put_gbps": fig["put"],
-        "put_ratio": _ratio(fig["put"], fig["ref_put"]),
-        "put_parallel_gbps": fig["put_par"],
-        "put_ratio_parallel": _ratio(fig["put_par"], fig["ref_put"]),
-        "thread_put_gbps": fig["thread_put"],
-        "thread_put_ratio": _ratio(fig["thread_put"], fig["ref_put"]),
-        "ref_get_gbps": fig["ref_get"],
-        "get_gbps": fig["get"],
-        "get_ratio": _ratio(fig["get"], fig["ref_get"]),
-        "get_parallel_gbps": fig["get_par"],
-        "get_ratio_parallel": _ratio(fig["get_par"], fig["ref_get"]),
-        "thread_get_gbps": fig["thread_get"],
-        "thread_get_ratio": _ratio(fig["thread_get"], fig["ref_get"]),
-    }
+    out: dict[str, Any] = {"size_mib": size // MIB}
+    for op in ("put", "get"):
+        ref = fig[f"ref_{op}"]
+        out[f"ref_{op}_gbps"] = ref
+        out[f"{op}_gbps"] = fig[op]
+        out[f"{op}_ratio"] = _ratio(fig[op], ref)
+        out[f"{op}_parallel_gbps"] = fig[f"{op}_par"]
+        out[f"{op}_ratio_parallel"] = _ratio(fig[f"{op}_par"], ref)
+        if f"thread_{op}" in fig:
+            out[f"thread_{op}_gbps"] = fig[f"thread_{op}"]
+            out[f"thread_{op}_ratio"] = _ratio(fig[f"thread_{op}"], ref)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- redis
@@ -298,20 +299,7 @@ async def bench_redis(
         ref.delete(*names)
     finally:
         ref.close()
-    fig = {name: _gbps(n * size, secs) for name, secs in best.items()}
-    return {
-        "size_mib": size // MIB,
-        "ref_put_gbps": fig["ref_put"],
-        "put_gbps": fig["put"],
-        "put_ratio": _ratio(fig["put"], fig["ref_put"]),
-        "put_parallel_gbps": fig["put_par"],
-        "put_ratio_parallel": _ratio(fig["put_par"], fig["ref_put"]),
-        "ref_get_gbps": fig["ref_get"],
-        "get_gbps": fig["get"],
-        "get_ratio": _ratio(fig["get"], fig["ref_get"]),
-        "get_parallel_gbps": fig["get_par"],
-        "get_ratio_parallel": _ratio(fig["get_par"], fig["ref_get"]),
-    }
+    return _put_get_figures(best, n, size)
 
 
 # ---------------------------------------------------------------------------------------------- arena
@@ -456,6 +444,11 @@ async def _measure_throughput(args: argparse.Namespace, settings: KVTierSettings
         arena.close()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(ref_dir, ignore_errors=True)
+    return _summarize(result, rows)
+
+
+def _summarize(result: dict[str, Any], rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each section's worst ratio over the sizes, with every size's figures."""
     disk_names = ("put_ratio", "get_ratio", "put_ratio_parallel", "get_ratio_parallel",
                   "thread_put_ratio", "thread_get_ratio")  # fmt: skip
     result["disk"] = {**_worst(rows["disk"], *disk_names), "sizes": rows["disk"]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,45 +54,60 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
     """TTFT of fresh prompts without kvtier, with kvtier (a miss: looked up, computed, saved) and
     with kvtier bypassed, on engines side by side; every sample starts once the previous one's
     background work (the save copy, the service's disk writes) is done, whatever its case."""
-    from kvtier.app.client import ServiceClient
     from kvtier.runtime.affinity import engine_cpus
 
     cpus = engine_cpus()  # not the one core an in-process engine may have bound this thread to
     seeds = iter(range(20_000, 1_000_000))
     taken: dict[str, list[list[Sample]]] = {case: [] for case in MISS_CASES}
     for pair in range(MISS_PAIRS):
-        note(f"  TTFT miss: engine pair {pair + 1}/{MISS_PAIRS} (with and without kvtier) starting")
-        # The tiers a user gets by default: CPU + disk, as embedded mode runs them.
-        with contextlib.ExitStack() as stack:
-            url = stack.enter_context(
-                kvtier_service(tmp / f"default-{pair}", disk_path=tmp / f"disk-default-{pair}")
-            )
-            client = stack.enter_context(ServiceClient(url))
-            # Which engine starts first alternates (see MISS_PAIRS).
-            configs = {"off": None, "on": kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK)}
-            order = ("on", "off") if _kvtier_first(pair) else ("off", "on")
-            procs = {
-                name: stack.enter_context(EngineProcess(model, configs[name], engine, cpus)) for name in order
-            }
-            off, on = procs["off"], procs["on"]
-            off.wait_ready()
-            on.wait_ready()
-            for _ in range(warm_up_prompts(engine, prompt_tokens)):
-                # kvtier bypassed: the engine warms up, and no tier fills with unmeasured chunks
-                # (so no prompt leaves background work behind: no wait needed in between).
-                for engine_proc, bypass in ((off, False), (on, True)):
-                    engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
-            runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
-            got: dict[str, list[Sample]] = {case: [] for case in MISS_CASES}
-            for i in range(MISS_SAMPLES):
-                # Each case goes first in turn, so none always follows the same other.
-                for case, engine_proc, bypass in runs[i % 3 :] + runs[: i % 3]:
-                    # The last miss's save (copy, commit, disk writes) has ended: none runs under
-                    # the next sample, whatever its case.
-                    wait_stored(client, len(got["miss"]) * (prompt_tokens // TTFT_CHUNK))
-                    got[case].append(engine_proc.sample(make_prompt(next(seeds), prompt_tokens), bypass))
-            for case in MISS_CASES:
-                taken[case].append(got[case])
+        got = _miss_pair(model, tmp, engine, prompt_tokens, pair, cpus, seeds)
+        for case in MISS_CASES:
+            taken[case].append(got[case])
+    return _miss_figures(taken)
+
+
+def _miss_pair(
+    model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int, pair: int, cpus: frozenset[int],
+    seeds: Iterator[int],
+) -> dict[str, list[Sample]]:  # fmt: skip
+    """One pair of engines, with and without kvtier: MISS_SAMPLES samples of each case."""
+    from kvtier.app.client import ServiceClient
+
+    note(f"  TTFT miss: engine pair {pair + 1}/{MISS_PAIRS} (with and without kvtier) starting")
+    # The tiers a user gets by default: CPU + disk, as embedded mode runs them.
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(
+            kvtier_service(tmp / f"default-{pair}", disk_path=tmp / f"disk-default-{pair}")
+        )
+        client = stack.enter_context(ServiceClient(url))
+        # Which engine starts first alternates (see MISS_PAIRS).
+        configs = {"off": None, "on": kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK)}
+        order = ("on", "off") if _kvtier_first(pair) else ("off", "on")
+        procs = {
+            name: stack.enter_context(EngineProcess(model, configs[name], engine, cpus)) for name in order
+        }
+        off, on = procs["off"], procs["on"]
+        off.wait_ready()
+        on.wait_ready()
+        for _ in range(warm_up_prompts(engine, prompt_tokens)):
+            # kvtier bypassed: the engine warms up, and no tier fills with unmeasured chunks
+            # (so no prompt leaves background work behind: no wait needed in between).
+            for engine_proc, bypass in ((off, False), (on, True)):
+                engine_proc.ttft(make_prompt(next(seeds), prompt_tokens), bypass)
+        runs = [("off", off, False), ("miss", on, False), ("bypassed", on, True)]
+        got: dict[str, list[Sample]] = {case: [] for case in MISS_CASES}
+        for i in range(MISS_SAMPLES):
+            # Each case goes first in turn, so none always follows the same other.
+            for case, engine_proc, bypass in runs[i % 3 :] + runs[: i % 3]:
+                # The last miss's save (copy, commit, disk writes) has ended: none runs under
+                # the next sample, whatever its case.
+                wait_stored(client, len(got["miss"]) * (prompt_tokens // TTFT_CHUNK))
+                got[case].append(engine_proc.sample(make_prompt(next(seeds), prompt_tokens), bypass))
+    return got
+
+
+def _miss_figures(taken: dict[str, list[list[Sample]]]) -> dict[str, Any]:
+    """bench_miss's figures from each case's samples, one list per pair."""
 
     def pooled(case: str, phase: str = "ttft") -> float:
         return statistics.median(getattr(s, phase) for samples in taken[case] for s in samples)
@@ -120,7 +136,6 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         for m, b in zip(ms, bs, strict=True)
     ]
     phases = {case: phase_ms([s for samples in taken[case] for s in samples]) for case in MISS_CASES}
-    kvtier_by_hook = hook_ms([s for samples in taken["miss"] for s in samples])
     return {
         "miss_pairs": MISS_PAIRS,
         "miss_samples_per_pair": MISS_SAMPLES,
@@ -149,7 +164,7 @@ def bench_miss(model: str, tmp: Path, engine: dict[str, Any], prompt_tokens: int
         "ttft_miss_forward_ratio": round(pooled("miss", "forward") / pooled("off", "forward"), 3),
         "ttft_bypassed_forward_ratio": round(pooled("bypassed", "forward") / pooled("off", "forward"), 3),
         "ttft_miss_kvtier_fraction": round(pooled("miss", "kvtier") / pooled("off"), 4),
-        "ttft_miss_kvtier_by_hook": kvtier_by_hook,
+        "ttft_miss_kvtier_by_hook": hook_ms([s for samples in taken["miss"] for s in samples]),
     }
 
 

@@ -1,21 +1,13 @@
 """KVTierConnector: the vLLM KV connector class. It only dispatches to the side of its role.
 
-A cache is best effort: when the engine's KV cache is of a shape kvtier does not serve, the service
-cannot be reached or started, or a worker's KV cache cannot be copied, the connector stays idle (every
-lookup a miss, nothing saved) and vLLM runs as if it were absent; with ``fail_when_idle`` it stops the
-engine instead (``KVTierIdle``). Idle is never quiet: vLLM's log says why at WARNING (the logger
-``vllm.kvtier.connector`` writes through vLLM's handler), ``vllm:kvtier_active`` is 0 on vLLM's
-/metrics, and the service, when there is one to tell, lists the side as idle in ``kvtier stats``.
-Invalid kvtier settings stop the engine with a clear message.
-
-Each side tells the service its lasting state on its own connection (``ServiceClient.report``). An
-engine refused at config time tells it from the scheduler only, and only a shared service
-(``service_url``): the embedded default would start a private service just to hear that nobody will
-use it. A service that does not answer hears nothing; the connector serves once it answers.
+A cache is best effort: where kvtier cannot serve, the connector stays idle (every lookup a miss,
+nothing saved) and says why at WARNING, or stops the engine with ``fail_when_idle``.
+Design: docs/internals.md#connector-class-connectorpy
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,6 +82,21 @@ class KVTierStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """True when nothing was counted and no state was reported (an idle side always reports)."""
         return not any(self.data.values())
+
+
+@dataclass(frozen=True)
+class ConnectorSnapshot:
+    """One side of a KVTierConnector as ``KVTierConnector.snapshot()`` saw it: for benchmarks, tests
+    and tools that hold the connector object (docs/architecture.md, "Observing a connector")."""
+
+    side: str  # "scheduler" or "worker"
+    serving: bool  # nothing keeps it idle and its service is connected
+    idle_reason: str  # why it stays idle for good; '' while it serves or may serve
+    namespace: str  # this side's namespace ('' when idle from the start)
+    generation: str  # the namespaces' generation, moved on by reset_cache ('' until the first reset)
+    # Counters (the keys of vLLM's kvtier stats) summed over every report vLLM has taken so far;
+    # what happened since the last get_kv_connector_stats() is not in them yet.
+    totals: dict[str, Any] = field(default_factory=dict)
 
 
 def _hit_source(tier: Tier) -> Any:
@@ -437,6 +444,24 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     # ---------------------------------------------------------------------------------- both
+    def snapshot(self) -> ConnectorSnapshot:
+        """This side's state and running counters (a copy: later steps do not change it)."""
+        side: SchedulerSide | WorkerSide | None = self._sched if self._sched is not None else self._worker
+        cfg = side.cfg if side is not None else None
+        return ConnectorSnapshot(
+            side=self._side,
+            serving=self._serving(),
+            idle_reason=self._idle,
+            namespace=cfg.namespace if cfg is not None else "",
+            generation=cfg.generation if cfg is not None else "",
+            totals=dict(side.totals) if side is not None else {},
+        )
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block until this side's service connection is up (or timeout): for tools and tests, never
+        from a hook. False when this side has no service to connect to."""
+        return self._client is not None and self._client.wait_connected(timeout)
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counters since the last report, and this side's state (see kvtier.connector.stats.SideState)."""
         side = self._worker or self._sched

@@ -1,5 +1,5 @@
 """`kvtier bench serve`: the KV memory of each run, the figures and their medians, texts matched by
-prompt, the client's command line as vLLM's own parser reads it, the JSON merged into results.json,
+prompt, the client's command line as vLLM's own parser reads it, the JSON merged into kvtier-bench.json,
 and (e2e) a `--quick` run end to end against vLLM's OpenAI server on the CPU build."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvtier.app import cli
+from kvtier.bench import all as bench_all
 from kvtier.bench import serve
 from kvtier.bench.serve_plan import (
     RUNS,
@@ -226,6 +227,25 @@ def test_runs_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_cli_lists_the_serve_benchmark() -> None:
     assert cli.BENCHES["serve"][0] == "kvtier.bench.serve"
+
+
+def test_results_go_to_the_working_directory_never_beside_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make bench` and `kvtier bench serve` write one JSON, kvtier-bench.json, where they run."""
+    bench_folder = Path(serve.__file__).parent
+    before = set(bench_folder.iterdir())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_all, "run_all", lambda skip_ttft: {"measured_at": "now"})
+    assert bench_all.main(["--no-chart"]) == 0
+    assert serve._parser().parse_args([]).out == Path("kvtier-bench.json")
+    serve.save({"figure": 1.0}, serve._parser().parse_args([]).out)
+    assert json.loads((tmp_path / "kvtier-bench.json").read_text()) == {
+        "measured_at": "now",
+        "serve": {"figure": 1.0},
+    }
+    assert f"wrote {Path('kvtier-bench.json')}" in capsys.readouterr().out
+    assert set(bench_folder.iterdir()) == before
 
 
 # ------------------------------------------------------------------------------ end to end

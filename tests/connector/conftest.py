@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kvtier.app.settings import KVTierSettings
-from kvtier.bench.arena_client import ArenaClient
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.planning import Geometry
 from kvtier.connector.worker import WorkerSide
 from kvtier.storage.arena import Arena
 from kvtier.storage.base import NamespaceSpec
+from tools.arena_client import ArenaClient
 
 NUM_BLOCKS, BLOCK, CHUNK, LAYERS = 16, 4, 8, 3
 

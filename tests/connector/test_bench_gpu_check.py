@@ -1,4 +1,4 @@
-"""bench.gpu_check's CPU part: every layout round trip and the worker-side checks pass on the CPU, and
+"""tools.gpu_check's CPU part: every layout round trip and the worker-side checks pass on the CPU, and
 without CUDA the CUDA-only checks say they were skipped instead of passing."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.bench import gpu_check
-from kvtier.bench.gpu_check_layouts import CASES
-from kvtier.bench.gpu_check_worker import worker_checks
+from tools import gpu_check
+from tools.gpu_check_layouts import CASES
+from tools.gpu_check_worker import worker_checks
 
 
 def test_the_layout_round_trips_pass_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,10 +53,11 @@ def test_a_failed_check_fails_the_run_and_says_why(monkeypatch: pytest.MonkeyPat
 
 
 def test_without_cuda_the_module_runs_and_exits_cleanly_saying_why_it_skipped(tmp_path: Path) -> None:
-    """As a user runs it: ``python -m kvtier.bench.gpu_check`` in a process of its own, with no GPU."""
+    """As a developer runs it from the repository root: ``python -m tools.gpu_check`` in a process of
+    its own, with no GPU."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
-        [sys.executable, "-m", "kvtier.bench.gpu_check", "--json", str(tmp_path / "out.json")],
+        [sys.executable, "-m", "tools.gpu_check", "--json", str(tmp_path / "out.json")],
         capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

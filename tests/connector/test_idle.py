@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from kvtier.app.embedded import RespawnCounts, paths_for
 from kvtier.connector.connector import KVTierConnector, KVTierIdle, KVTierStats
 from kvtier.connector.prom import ACTIVE, KVTierPromMetrics
-from kvtier.connector.stats import ACTIVE_SIDES, IDLE_SIDES, RespawnReport
+from kvtier.connector.stats import ACTIVE_SIDES, IDLE_SIDES, STATE_KEYS, RespawnReport
 from tests.app import ThreadService, settings_for, thread_service
 
 SCHEDULER, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
@@ -296,3 +296,37 @@ def test_fail_when_idle_stops_a_worker_whose_kv_layout_is_refused(make: Make, tm
         flat = torch.zeros(2 * NUM_BLOCKS + 1, dtype=torch.bfloat16)
         with pytest.raises(KVTierIdle, match=r"cannot be copied.*\(17,\).*KVTIER_FAIL_WHEN_IDLE"):
             worker.register_kv_caches(dict.fromkeys(LAYERS, flat))
+
+
+# ----------------------------------------------------------------------------------------- snapshot
+def test_a_snapshot_says_what_a_serving_side_is_and_sums_its_reports(make: Make, tmp_path: Path) -> None:
+    with thread_service(tmp_path) as svc:
+        sched = make(SCHEDULER, service_url=svc.url)
+        worker = make(WORKER, service_url=svc.url)
+        worker.register_kv_caches(_kv_caches())
+        assert sched.wait_connected(10) and worker.wait_connected(10)
+        before = sched.snapshot()
+        assert (before.side, before.serving, before.idle_reason, before.generation) == (
+            "scheduler",
+            True,
+            "",
+            "",
+        )
+        assert before.namespace and worker.snapshot().namespace == before.namespace
+        assert before.totals == {}  # vLLM has taken no report yet
+        report = sched.get_kv_connector_stats()
+        assert report is not None and report.data[ACTIVE_SIDES] == 1
+        counts = {k: v for k, v in report.data.items() if k not in STATE_KEYS}
+        assert counts and sched.snapshot().totals == counts  # the state a report carries is no count
+        assert sched.reset_cache() is True
+        after = sched.snapshot()
+        assert len(after.generation) == 16 and after.namespace != before.namespace
+        assert before.generation == "" and before.totals == {}  # a snapshot is a copy
+
+
+def test_a_snapshot_of_an_idle_side_says_why_and_counts_nothing(make: Make) -> None:
+    sched = make(SCHEDULER, state_space=True)
+    got = sched.snapshot()
+    assert not got.serving and "this engine has a KV cache group of MambaSpec" in got.idle_reason
+    assert (got.side, got.namespace, got.generation, got.totals) == ("scheduler", "", "", {})
+    assert sched.wait_connected(0.01) is False  # no service to connect to

@@ -16,12 +16,12 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtier.bench.arena_client import ArenaClient
 from kvtier.connector.config import build_config
 from kvtier.connector.metadata import KVTierMetadata, SaveJob
 from kvtier.connector.worker import WorkerSide
 from kvtier.storage.arena import Arena
 from tests.connector.vllm_kv import kv_cache_config, views_of
+from tools.arena_client import ArenaClient
 
 BLOCK, CHUNK, NUM_BLOCKS = 64, 128, 8
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -26,13 +26,13 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-from kvtier.bench.arena_client import ArenaClient
 from kvtier.connector import connector as connector_module
 from kvtier.connector.connector import KVTierConnector
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob
 from kvtier.storage.arena import Arena
 from kvtier.storage.base import SlotRef
 from tests.connector.vllm_kv import kv_cache_config, views_of
+from tools.arena_client import ArenaClient
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 32, 16
 TARGET = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

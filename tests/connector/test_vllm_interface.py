@@ -4,7 +4,8 @@ of the same kind (method, class method, property) and with the same parameters. 
 renames a hook or changes its parameters fails here instead of being silently never called.
 
 The sleep-mode hooks arrive with vLLM 0.33; on an older vLLM they are the only overrides allowed to
-have no counterpart in the base class.
+have no counterpart in the base class. kvtier's own public methods (``OWN_API``, for benchmarks and
+tests) are no hooks: vLLM's base classes must not define them, or vLLM would call them.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from kvtier.connector.connector import KVTierConnector, KVTierStats
 
 SLEEP_HOOKS = frozenset({"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"})
 SLEEP_HOOKS_SINCE = Version("0.33")
+OWN_API = frozenset({"snapshot", "wait_connected"})
 VLLM = Version(Version(vllm.__version__).base_version)
 
 
 def _overrides(cls: type) -> list[str]:
-    """The hooks ``cls`` defines itself: public names and the constructor."""
-    return sorted(n for n in vars(cls) if not n.startswith("_") or n == "__init__")
+    """The hooks ``cls`` defines itself: public names and the constructor, kvtier's own API left out."""
+    return sorted(n for n in vars(cls) if (not n.startswith("_") or n == "__init__") and n not in OWN_API)
 
 
 def _base_attr(cls: type, name: str) -> Any:
@@ -45,6 +47,11 @@ def _parameters(attr: Any) -> list[tuple[str, Any]]:
     """Names and kinds of the parameters (not their annotations or defaults)."""
     fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
     return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_kvtiers_own_api_is_no_vllm_hook() -> None:
+    assert set(vars(KVTierConnector)) >= OWN_API
+    assert [name for name in OWN_API if _base_attr(KVTierConnector, name) is not None] == []
 
 
 def test_every_abstract_method_of_the_base_classes_is_implemented() -> None:

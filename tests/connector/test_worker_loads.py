@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from tools.arena_client import done
 from kvtier.connector import faults
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.storage.base import SlotRef, Tier
 from tests.app import wait_until
 from tests.connector.conftest import LAYERS
+from tools.arena_client import done
 
 LAYER_NAMES = [f"layer{i}" for i in range(LAYERS)]
 

@@ -12,7 +12,6 @@ import torch
 
 from kvtier.app.client_results import StageReply
 from kvtier.app.settings import KVTierSettings
-from kvtier.bench.arena_client import ArenaClient, done
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.group_copy import GroupedCopier
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
@@ -20,6 +19,7 @@ from kvtier.connector.planning import Geometry
 from kvtier.connector.worker import WorkerSide
 from kvtier.storage.arena import Arena
 from kvtier.storage.base import NamespaceSpec, StageResult, Tier
+from tools.arena_client import ArenaClient, done
 
 NUM_BLOCKS, BLOCK, CHUNK = 16, 4, 8  # 2 blocks a chunk
 # Group 0: a sliding window (one layer); group 1: full attention (one layer).

@@ -84,7 +84,7 @@ def run_engine_variant(model: str, svc: RunningService, **engine: Any) -> tuple[
     """One engine on the shared service: its outputs and the namespace it stored under."""
     cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
     with running_engine(model, cfg, **NO_LOCAL_CACHE, **engine) as llm:
-        return run_variant(llm, svc), scheduler_connector(llm)._sched.cfg.namespace
+        return run_variant(llm, svc), scheduler_connector(llm).snapshot().namespace
 
 
 def test_two_models_never_share_chunks(tiny_model: str, second_model: str, tmp_path: Path) -> None:

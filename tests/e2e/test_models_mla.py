@@ -99,7 +99,10 @@ def test_refused_at_vllms_defaults_where_vllm_turns_its_prefix_cache_off(
         cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
         with running_engine(mla, cfg) as llm:
             assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-            reasons = [scheduler_connector(llm)._idle, worker_connector()._idle]
+            reasons = [
+                scheduler_connector(llm).snapshot().idle_reason,
+                worker_connector().snapshot().idle_reason,
+            ]
             got = generate_each(llm, PROMPTS, MAX_TOKENS)
             got_again = generate_each(llm, PROMPTS, MAX_TOKENS)
             serving = [scheduler_connector(llm)._sched, worker_connector()._worker]

@@ -1,4 +1,4 @@
-"""The CUDA-only checks of ``bench.gpu_check``: stream ordering, host blocking, far offsets, pinning.
+"""The CUDA-only checks of ``tools.gpu_check``: stream ordering, host blocking, far offsets, pinning.
 
 Ordering checks hold the current stream busy with ``torch.cuda._sleep`` first, so a copier that
 does not order its own streams after (saves) or before (loads) the caller's work reads or leaves
@@ -14,7 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.bench.gpu_check_layouts import (
+from kvtier.bench.kv_views import kv_cache_views
+from kvtier.connector import staging
+from kvtier.connector.copy import BlockCopier
+from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
+from tools.gpu_check_layouts import (
     BLOCKS_PER_CHUNK,
     NUM_BLOCKS,
     NUM_LAYERS,
@@ -27,10 +31,6 @@ from kvtier.bench.gpu_check_layouts import (
     host_slots,
     random_bytes,
 )
-from kvtier.bench.kv_views import kv_cache_views
-from kvtier.connector import staging
-from kvtier.connector.copy import BlockCopier
-from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
 
 IDS = [9, 3, 12, 5]  # scattered: the kernel takes uploaded ids
 SLEEP_MS = 200  # long against issuing a copy (tens of microseconds a piece)

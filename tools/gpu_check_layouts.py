@@ -1,4 +1,4 @@
-"""The layout round trips of ``bench.gpu_check``, and the byte bookkeeping its other checks share.
+"""The layout round trips of ``tools.gpu_check``, and the byte bookkeeping its other checks share.
 
 A round trip builds vLLM's views of one layout (``bench.kv_views``) on the device, fills them with
 random bytes, saves chunks of block ids into a host slot and checks every slot row against the page
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.bench.kv_views import LAYOUTS, kv_cache_views, mla_kv_cache_views
+from kvtier.bench.kv_views import LAYOUTS, kv_cache_views, mla_kv_cache_views, page_addresses
 from kvtier.connector.copy import BlockCopier
 from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
 
@@ -111,21 +111,6 @@ CASES = [
     Case(False, "LHBNC", heads=8),
     Case(False, "BHLNC", 64, fp8=True, heads=8),
 ]
-
-
-def page_addresses(view: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
-    """Where in the view's storage each byte of one block's page lies, in increasing order: the
-    block's dense rows in address order, derived from the view's strides alone."""
-    as_bytes = view.view(torch.int8)
-    ratio = as_bytes.shape[0] // num_blocks  # kernel blocks per block, consecutive in dim 0
-    sub = as_bytes[block * ratio : (block + 1) * ratio]
-    offsets = torch.tensor(sub.storage_offset(), dtype=torch.int64, device=view.device)
-    for dim, (size, stride) in enumerate(zip(sub.shape, sub.stride(), strict=True)):
-        shape = [1] * sub.dim()
-        shape[dim] = size
-        steps = torch.arange(size, dtype=torch.int64, device=view.device) * stride
-        offsets = offsets + steps.view(shape)
-    return offsets.flatten().sort().values
 
 
 def address_table(views: list[torch.Tensor], num_blocks: int, blocks: list[int]) -> Table:

@@ -1,6 +1,8 @@
-"""`python -m kvtier.bench.gpu_check [--json [PATH]]`: the CUDA copy path's correctness checks in one run.
+"""`python -m tools.gpu_check [--json [PATH]]`: the CUDA copy path's correctness checks in one run.
 
-What the GPU machine lacks: nothing, today. This script imports torch (with Triton and numpy) and
+Run it from the repository root of a checkout; kvtier needs no install there (``tools`` maps
+``kvtier.*`` to the checkout's folders where it is not installed). What the GPU machine lacks: nothing,
+today. This script imports torch (with Triton and numpy) and
 kvtier's ``connector.copy`` (with ``connector.block_ids``, ``connector.copy_thread``,
 ``connector.layout``, ``connector.copy_cuda``, ``connector.cuda_kernels``, ``runtime.affinity``,
 ``runtime.handoff``), ``connector.pinning`` and ``bench.kv_views``: none needs more. Worker-side
@@ -14,7 +16,7 @@ registry)::
         typing-inspection==0.4.5 python-dotenv==1.2.4 msgspec==0.22.0 redis==6.4.0 hiredis==3.5.0
     # on the device machine, .whl carried:
     python -m pip install --no-index --no-deps .whl/*.whl
-    python -m kvtier.bench.gpu_check --json "$OUT/gpu_check.json"
+    python -m tools.gpu_check --json "$OUT/gpu_check.json"
 
 Each check prints ``PASS name``, ``FAIL name: why`` or ``SKIP name: why``; the exit status is 1 if
 any failed. Without CUDA the CUDA-only checks are skipped and the layout round trips run on the CPU.
@@ -60,9 +62,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtier.bench.gpu_check_cuda import cuda_checks
-from kvtier.bench.gpu_check_layouts import Skipped, layout_checks
-from kvtier.bench.gpu_check_worker import worker_checks
+from tools.gpu_check_cuda import cuda_checks
+from tools.gpu_check_layouts import Skipped, layout_checks
+from tools.gpu_check_worker import worker_checks
 
 Check = Callable[[torch.device], None]
 
@@ -131,9 +133,9 @@ def summary(outcomes: list[Outcome], device: torch.device) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m kvtier.bench.gpu_check`: 1 if any check failed, else 0."""
+    """Entry point of `python -m tools.gpu_check`: 1 if any check failed, else 0."""
     parser = argparse.ArgumentParser(
-        prog="python -m kvtier.bench.gpu_check",
+        prog="python -m tools.gpu_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -40,7 +40,7 @@ class ArenaClient:
     def reserve(self, namespace: str, hashes: list[bytes]) -> Future[ReserveReply]:
         """The next free slots, one per hash."""
         self.namespaces.append(("reserve", namespace))
-        slots = []
+        slots: list[SlotRef | None] = []
         for _ in hashes:
             slots.append(SlotRef(self._next, self.chunk_bytes))
             self._next += self.chunk_bytes

@@ -1,6 +1,6 @@
-"""The worker-side checks of ``bench.gpu_check``: ``WorkerSide`` over vLLM's LBNHC views, driven as vLLM's
+"""The worker-side checks of ``tools.gpu_check``: ``WorkerSide`` over vLLM's LBNHC views, driven as vLLM's
 model runner drives it, with vLLM's metadata reduced to what the worker reads (``connector.metadata``)
-and a stand-in client over a real arena (``bench.arena_client``). Runs on CUDA and on the CPU alike,
+and a stand-in client over a real arena (``tools.arena_client``). Runs on CUDA and on the CPU alike,
 except the full-graph replay, which needs CUDA graphs.
 """
 
@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,9 +21,8 @@ import torch
 
 from kvtier.app.client import HelloReply
 from kvtier.app.settings import KVTierSettings
-from kvtier.bench.arena_client import ArenaClient
-from kvtier.bench.gpu_check_layouts import NUM_BLOCKS, Case, Skipped, expect, random_bytes
 from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.copy import BlockCopier
 from kvtier.connector.group_copy import GroupedCopier, build_copier
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.pinning import pin_host_buffer, unpin_host_buffer
@@ -31,6 +31,8 @@ from kvtier.connector.worker import WorkerSide
 from kvtier.connector.worker_arena import WorkerArena
 from kvtier.storage.arena import Arena
 from kvtier.storage.base import NamespaceSpec, SlotRef
+from tools.arena_client import ArenaClient
+from tools.gpu_check_layouts import NUM_BLOCKS, Case, CheckFailed, Skipped, expect, random_bytes
 
 BLOCK_SIZE, BLOCKS_PER_CHUNK = 16, 4
 FULL_GRAPH = SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name="FULL"), attn_metadata={})
@@ -45,15 +47,21 @@ class Rig:
     arena: Arena
     views: list[torch.Tensor]
 
+    @property
+    def copier(self) -> BlockCopier:
+        """The worker's copier: one KV cache group's, as the rig registers one."""
+        copier = self.worker.copier
+        if not isinstance(copier, BlockCopier):
+            raise CheckFailed(f"the rig's worker has no one-group copier: {type(copier).__name__}")
+        return copier
+
     def page(self, layer: int, block: int) -> bytes:
         """The bytes of one block of one layer, as the copier's planes hold them."""
-        planes = self.worker.copier.layers[layer] if self.worker.copier else []
-        return b"".join(bytes(p[block].cpu().numpy()) for p in planes)
+        return b"".join(bytes(p[block].cpu().numpy()) for p in self.copier.layers[layer])
 
     def slot_rows(self, slot: SlotRef) -> torch.Tensor:
         """The slot as [layer, block, page] bytes."""
-        assert self.worker.copier is not None
-        return self.worker.copier.slot_view(self.arena.view(slot))
+        return self.copier.slot_view(self.arena.view(slot))
 
 
 @contextlib.contextmanager
@@ -66,8 +74,8 @@ def worker_rig(device: torch.device) -> Iterator[Rig]:
     chunk = BLOCK_SIZE * BLOCKS_PER_CHUNK
     spec = NamespaceSpec("check", str(views[0].dtype), "LBNHC", BLOCK_SIZE, chunk, len(views), page)
     cfg = ConnectorConfig(
-        KVTierSettings(), Geometry(BLOCK_SIZE, chunk), spec, "ns", "engine", NUM_BLOCKS, names, "recompute",
-        False,
+        KVTierSettings.model_validate({}), Geometry(BLOCK_SIZE, chunk), spec, "ns", "engine", NUM_BLOCKS,
+        names, "recompute", False,
     )  # fmt: skip
     chunk_bytes = len(views) * BLOCKS_PER_CHUNK * page
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
@@ -165,8 +173,7 @@ def check_worker_full_graph_replay(device: torch.device) -> None:
         raise Skipped("CUDA graphs need CUDA")
     with worker_rig(device) as rig:
         blocks = [10, 11, 12, 13]
-        assert rig.worker.copier is not None
-        pages = [planes[0][blocks[0] : blocks[-1] + 1] for planes in rig.worker.copier.layers]
+        pages = [planes[0][blocks[0] : blocks[-1] + 1] for planes in rig.copier.layers]
         out = [torch.empty(p.shape, dtype=torch.uint8, device=device) for p in pages]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # reads the blocks' bytes as attention would, in one replay
@@ -210,8 +217,7 @@ def check_worker_v2_drafter(device: torch.device) -> None:
     with worker_rig(device) as rig:
         _v2_step(rig, KVTierMetadata(), True, lambda: None)
         blocks, drafter = [10, 11, 12, 13], len(rig.views) - 1
-        assert rig.worker.copier is not None
-        plane = rig.worker.copier.layers[drafter][0]
+        plane = rig.copier.layers[drafter][0]
         slot = _stored(rig, 1)
         meta = KVTierMetadata(loads=[_load_job("r1", slot, blocks)])
         read = _v2_step(rig, meta, False, lambda: plane[blocks[0] : blocks[-1] + 1].clone())
@@ -227,7 +233,8 @@ def check_grouped_copier(device: torch.device) -> None:
     for seed, (raw, _) in enumerate(groups):
         raw.view(torch.uint8).copy_(random_bytes(tuple(raw.shape), device, 20 + seed))
     copier = build_copier([views for _, views in groups], NUM_BLOCKS, BLOCKS_PER_CHUNK, None)
-    expect(isinstance(copier, GroupedCopier), "two groups make a grouped copier")
+    if not isinstance(copier, GroupedCopier):
+        raise CheckFailed(f"two groups make a grouped copier, not a {type(copier).__name__}")
     saved, loaded = [[3, 4, 5, 6], [9, 8]], [[10, 11, 12, 13], [14, 15]]
     buf = bytearray(copier.chunk_bytes)
     pinned = pin_host_buffer(memoryview(buf), device, len(buf)) if device.type == "cuda" else []
@@ -288,8 +295,8 @@ def check_rank_on_device_1(device: torch.device) -> None:
     if torch.cuda.device_count() < 2:
         raise Skipped(f"{torch.cuda.device_count()} GPU here; a rank on device 1 needs two")
     probe = subprocess.run(
-        [sys.executable, "-m", "kvtier.bench.gpu_check_worker", "--rank-on-device-1"],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "tools.gpu_check_worker", "--rank-on-device-1"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     if probe.returncode == SKIP_STATUS:
         raise Skipped(probe.stdout.strip())

@@ -10,7 +10,7 @@ the lookups arrive, and the worker copies them from there) and ``off`` (the serv
 vLLM schedules the requests), each with the page cache warm and cold (``posix_fadvise(DONTNEED)``
 on the prompts' chunk files).
 
-    python -m kvtier.bench.prestage --json
+    python -m tools.prestage --json
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def bench_prestage(model: str, tmp: Path, rounds: int = 3) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its figures."""
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.prestage", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.prestage", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=3, help="samples of each case, taken in turn (>= 3)")
     args = parser.parse_args(argv)
