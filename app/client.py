@@ -1,25 +1,9 @@
 """Client of the kvtier service, for vLLM's synchronous hooks.
 
 Who owns what: a ``ServiceClient`` owns one background thread running its own event loop, and that
-loop owns the connection, the reconnect schedule and the timeout sweep (kvtier.app.client_loop).
-Public methods may be called from any thread: each encodes its request and, while connected, writes
-it to the socket itself (non-blocking, under the client's lock, with any remainder flushed by the
-loop), then returns a ``Call``, a future. A thread that blocks on that future reads the
-socket itself while no other thread does (kvtier.app.client_call): its reply wakes it directly.
-While the service is unreachable every call fails immediately with ``ServiceUnavailable`` (a
-connector turns it into a miss); the loop keeps reconnecting with backoff, calls ``on_unavailable``
-(embedded mode respawns the service there), and after a reconnect registers every namespace again
-before serving calls.
-
-Ending a lease: ``release(lease_id)`` is the one way. It returns nothing and asks for no reply (the
-connector never waits for one): the lease id rides in this client's next lookup that ends no lease
-of its own (as its ``replaces``: one frame for both), else goes out as a Release frame in the same
-send as the next call, or with the sweep within SWEEP_IDLE_PERIOD_S when no call comes. The service
-handles a connection's frames in order, so a call made after release() by the same thread is answered
-after the lease has ended. Lease ids released while the service is unreachable go out once it is
-reached again, and close() sends what is kept before it closes the connection. Besides, a lookup ends
-the lease its ``replaces`` names: that is the protocol's replace-on-lookup, by which a request that
-looks up again hands its old lease over (pins of the chunks both find move across).
+loop owns the connection, the reconnect schedule and the sweep (kvtier.app.client_loop). Public
+methods may be called from any thread; each returns a ``Call``, a future.
+Design: docs/internals.md#service-client-clientpy-client_looppy-client_connectionpy-client_callpy
 """
 
 from __future__ import annotations
@@ -172,9 +156,11 @@ class ServiceClient(ClientLoop):
         instance_id: str = "",
         timeout: float | None = None,
         block_hashes: list[list[bytes]] | None = None,
+        descriptions: list[bytes] | None = None,
     ) -> Call[None]:
         """Publish filled slots; with instance_id, fails with StaleInstance after a restart.
-        block_hashes: each chunk's vLLM block hashes, named by the service's KV events."""
+        block_hashes: each chunk's vLLM block hashes, named by the service's KV events;
+        descriptions: each chunk's (app/chunk_description.py), which make those events self-describing."""
         msg = p.Commit(
             id=next(self._ids),
             namespace=namespace,
@@ -182,6 +168,7 @@ class ServiceClient(ClientLoop):
             slots=slots,
             instance_id=instance_id,
             block_hashes=block_hashes or [],
+            descriptions=descriptions or [],
         )
         return self._call(msg, timeout)
 

@@ -9,7 +9,10 @@ marker ``(identity, b"", b"", seq -1, b"")``.
 Never blocking the loop: PUB sends with NOBLOCK (a subscriber past its high-water mark loses
 messages, as with vLLM's publisher; a refused send is counted in ``dropped``); replay requests are
 read by a task on zmq's asyncio sockets and answered from memory. No socket exists unless
-``events_url`` is set: the publisher is built only then.
+``events_url`` is set: the publisher is built only then. The PUB socket binds ``events_url``, or
+connects to it (``events_connect``) for a subscriber that binds, as llm-d's indexer does with a
+static endpoint; the topic frame is ``events_topic`` (llm-d filters on ``kv@`` and reads the pod
+and model from ``kv@<pod>@<model>``).
 
 Who owns what: the publisher owns its zmq context and both sockets, and closes them in ``close()``.
 """
@@ -43,10 +46,12 @@ class EventPublisher:
         replay_url: str = "",
         *,
         topic: str = "",
+        connect: bool = False,
         buffer_steps: int = BUFFER_STEPS,
         hwm: int = HWM,
     ) -> None:
         self.url = url
+        self._connect = connect
         self.replay_url = replay_url
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -72,7 +77,10 @@ class EventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.set_hwm(self._hwm)
-            self._pub.bind(self.url)
+            if self._connect:
+                self._pub.connect(self.url)
+            else:
+                self._pub.bind(self.url)
             if self.replay_url:
                 self._replay = zmq.asyncio.Context.shadow(self._ctx).socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)

@@ -117,6 +117,8 @@ class Commit(_Msg, tag="commit"):
     """Publish filled slots; instance_id (when set) must match the service's or nothing happens.
 
     block_hashes: each chunk's vLLM block hashes in order (for KV events); empty when not sent.
+    descriptions: each chunk's description (app/chunk_description.py: token ids and parent hash, for
+    self-describing KV events), b"" for a chunk without one; empty when not sent.
     """
 
     namespace: Name
@@ -124,6 +126,7 @@ class Commit(_Msg, tag="commit"):
     slots: Sequence[Slot]
     instance_id: Name = ""
     block_hashes: list[list[Hash]] = []
+    descriptions: list[bytes] = []
 
 
 class Abort(_Msg, tag="abort"):

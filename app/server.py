@@ -20,6 +20,7 @@ import stat
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -87,7 +88,12 @@ def _start_events(settings: KVTierSettings) -> tuple[EventPublisher, EventRecord
     from kvtier.app.events import EventRecorder
     from kvtier.app.events_publisher import EventPublisher
 
-    publisher = EventPublisher(settings.events_url, settings.events_replay_url)
+    publisher = EventPublisher(
+        settings.events_url,
+        settings.events_replay_url,
+        topic=settings.events_topic,
+        connect=settings.events_connect,
+    )
     try:
         publisher.start()
     except zmq.ZMQError as exc:
@@ -236,8 +242,7 @@ async def run_service(
             prestage_bytes=settings.prestage_limit,
             files=files is not None,
         )
-        if events is not None:
-            events[1].namespaces = service.specs
+        _attach_events(service, events)
         arena = store.arena_info()
         if options.state_file:  # before listening: whoever sees the socket may read it at once
             _write_state(options.state_file, {"pid": os.getpid(), "url": options.url, "arena": arena.path})
@@ -280,6 +285,18 @@ def _start_files(settings: KVTierSettings, address: Address) -> FileServer | Non
     except OSError as exc:
         log.warning("disk files are not served to engines (%s): the service reads disk hits", exc)
         return None
+
+
+def _attach_events(service: Service, events: tuple[EventPublisher, EventRecorder] | None) -> None:
+    """Let the events name the namespaces the service registers, and its stats show their counts."""
+    if events is not None:
+        events[1].namespaces = service.specs
+        service.event_stats = partial(_event_stats, *events)
+
+
+def _event_stats(publisher: EventPublisher, recorder: EventRecorder) -> dict[str, int]:
+    """The KV events' counts in the service's stats."""
+    return {"dropped": publisher.dropped, "undescribed": recorder.undescribed}
 
 
 async def _close_events(events: tuple[EventPublisher, EventRecorder] | None) -> None:

@@ -1,29 +1,9 @@
 """The kvtier service's request handling: handshake, dispatch of every call, and who owns what.
 
-Who owns what: everything here runs on the service's one event loop, and nothing else touches it.
-``Service`` owns the store, the connections (``kvtier.app.connection``) and one ownership map:
-reserved slot -> connection.
-
-- A reserved slot belongs to the connection that reserved it: the worker that fills it commits or
-  aborts it on that connection (a commit from another connection takes it over). When the
-  connection drops (the client exited or was killed), its in-flight calls finish first, then its
-  reserved slots are aborted, so a vanished client holds no slot.
-- A lease belongs to no connection: it is keyed by request. The scheduler's connection takes it
-  (lookup); the worker's connection loads what it pins (copies from the CPU-tier slots of the
-  lookup's answer, or ``stage``) and ends it (``release``). So a lease ends only by a release,
-  whichever connection sends it, by a lookup that replaces it, or when ``lease_ttl`` passes. The
-  drop of the connection that took it ends nothing: the worker may still be copying from the
-  slots the lease pins, and the service cannot see those copies (they need no call), so ending
-  the lease then could hand a slot to a new save while the copy still reads it. A client that
-  vanishes holding leases keeps their chunks from eviction for at most ``lease_ttl``.
-
-- A read ahead (a lookup with ``stage`` set whose hit has lower-tier chunks) is a Task the service
-  owns: it stages the lease as a Stage call would, while the request waits in vLLM's queue, and
-  ``drain`` lets it end or cancels it. Its bytes count against ``prestage_bytes`` until its reads
-  end; the lease, not the Task, then pins the promoted chunks.
-
-A connection also holds the last Report its connector sent (whether that side of its engine
-serves), which the stats list under ``engines`` for as long as the connection is open.
+Who owns what: everything here runs on the service's one event loop. ``Service`` owns the store, the
+connections and the map reserved slot -> connection; a lease belongs to no connection (it is keyed by
+request), and a read ahead is a Task the service owns.
+Design: docs/internals.md#request-handling-servicepy
 """
 
 from __future__ import annotations
@@ -55,6 +35,7 @@ from kvtier.storage.base import (
     Tier,
     UnknownNamespaceError,
 )
+from kvtier.storage.codec import Covered
 
 log = logging.getLogger("kvtier.service")
 
@@ -108,6 +89,7 @@ class Service:
         self._encoder = p.FrameEncoder()
         self._slots: dict[int, tuple[SlotRef, Connection]] = {}  # offset -> reserved slot, owner
         self.specs: dict[str, NamespaceSpec] = {}  # registered namespaces, for stats and KV events
+        self.event_stats: Callable[[], dict[str, int]] | None = None  # the KV events' counts, when on
         self._closing: set[Connection] = set()  # dropped, with calls still in flight
         self._idle = asyncio.Event()
         self._idle.set()
@@ -406,13 +388,18 @@ class Service:
         return p.OkReply(id=msg.id)
 
     @staticmethod
-    def _covered(msg: p.Commit, hashes: list[bytes]) -> list[list[bytes]]:
-        """The block hashes of the chunks committed (hashes: msg's, less those not reserved)."""
+    def _covered(msg: p.Commit, hashes: list[bytes]) -> list[Covered]:
+        """The block hashes and descriptions of the chunks committed (hashes: msg's, less those not
+        reserved)."""
         if len(msg.block_hashes) != len(msg.hashes):
             raise CallError(p.ErrorCode.BAD_REQUEST, "commit needs one block hash list per chunk")
+        if msg.descriptions and len(msg.descriptions) != len(msg.hashes):
+            raise CallError(p.ErrorCode.BAD_REQUEST, "commit needs one description per chunk, or none")
+        descriptions = msg.descriptions or repeat(b"")
+        covered = map(Covered, msg.block_hashes, descriptions)
         if hashes is msg.hashes:
-            return msg.block_hashes
-        by_hash = dict(zip(msg.hashes, msg.block_hashes, strict=True))
+            return list(covered)
+        by_hash = dict(zip(msg.hashes, covered, strict=True))
         return [by_hash[h] for h in hashes]
 
     def _to_commit(self, msg: p.Commit) -> tuple[list[bytes], list[SlotRef]]:
@@ -513,6 +500,8 @@ class Service:
             }
             for ns, s in sorted(self.specs.items())
         }
+        if self.event_stats is not None:
+            out["events"] = self.event_stats()
         return out
 
     def engines(self) -> list[dict[str, Any]]:

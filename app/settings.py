@@ -166,24 +166,19 @@ class KVTierSettings(BaseSettings):
     )
     admin_host: str = Field("127.0.0.1", description="Address the admin HTTP server binds.")
     events_url: str = Field(
-        "",
-        description=(
-            "ZMQ PUB endpoint the service binds for KV events in vLLM's format (tcp://host:port or "
-            "ipc:///path); empty = no events, no socket. See docs/events.md."
-        ),
+        "", description="ZMQ PUB endpoint of KV events in vLLM's format (tcp://, ipc://); empty = none."
     )
     events_replay_url: str = Field(
-        "",
-        description=(
-            "ZMQ ROUTER endpoint the service binds for replays of missed event batches; needs "
-            "events_url; empty = no replay."
-        ),
+        "", description="ZMQ ROUTER endpoint for replays of missed event batches; needs events_url."
+    )
+    events_connect: bool = Field(
+        False, description="Connect the PUB socket to events_url instead of binding it (llm-d binds)."
+    )
+    events_topic: str = Field(
+        "", description="Topic frame of every event message (llm-d: kv@<pod>@<model>); empty = none."
     )
     events_hash_format: Literal["int", "bytes"] = Field(
-        "int",
-        description=(
-            "Block hashes in events: 'int' (low 64 bits, vLLM's default) or 'bytes' (the whole hash)."
-        ),
+        "int", description="Block hashes in events: 'int' (low 64 bits, vLLM's default) or 'bytes' (whole)."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level of the service, and of kvtier's lines in vLLM's log."

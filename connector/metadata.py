@@ -14,7 +14,7 @@ try:
         KVConnectorMetadata,
         KVConnectorWorkerMetadata,
     )
-except ImportError:  # the worker side also runs where only torch is (bench/gpu_check.py on a GPU machine)
+except ImportError:  # the worker side also runs where only torch is (tools/gpu_check.py on a GPU machine)
 
     class KVConnectorMetadata:  # type: ignore[no-redef]
         """vLLM's base class of connector metadata, where vLLM is not installed."""
@@ -97,6 +97,7 @@ class SaveJob:
     hashes: list[bytes]
     block_ids: list[list[int]]
     block_hashes: list[list[bytes]] = field(default_factory=list)  # each chunk's block hashes (KV events)
+    descriptions: list[bytes] = field(default_factory=list)  # each chunk's (app/chunk_description.py)
     groups: list[list[list[int]]] = field(default_factory=list)
 
     def chunk_groups(self, i: int) -> list[list[int]]:

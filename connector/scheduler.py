@@ -1,10 +1,8 @@
 """Scheduler-side connector: lookups, load plans and save plans. Keeps books, never does bulk I/O.
 
-Who owns what: everything here runs on vLLM's scheduler thread. Per request it keeps only what vLLM
-cannot tell it again: the block table seen in scheduler outputs, the save watermark, the current
-lease id and a lookup answer waiting for ``update_state_after_alloc``. Token counts and block hashes
-are read from vLLM's request each step, never copied. Lookups go to the service through the client
-(non-blocking futures, each waited on for at most the lookup budget).
+Who owns what: everything here runs on vLLM's scheduler thread; per request it keeps only what vLLM
+cannot tell it again (block table, save watermark, lease id, a lookup answer awaiting allocation).
+Design: docs/internals.md#scheduler-side-schedulerpy
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.app.client import Call, LookupReply, ServiceClient
 from kvtier.connector import faults
 from kvtier.connector.config import ConnectorConfig, rank_specs, with_generation
+from kvtier.connector.describe import describe_chunk
 from kvtier.connector.disk_reads import file_channel_of
 from kvtier.connector.metadata import ChunkLoad, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.connector.planning import (
@@ -479,6 +478,7 @@ class SchedulerSide:
             if len(groups) > 1:
                 job.groups.append(groups[1:])
             job.block_hashes.append(list(map(bytes, hashes[chunk * bpc : (chunk + 1) * bpc])))
+            job.descriptions.append(describe_chunk(request, chunk, self.geometry))
         if not job.hashes:
             return None
         state.saved_any = True

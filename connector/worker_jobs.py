@@ -21,6 +21,7 @@ class SavedJob:
     slots: list[SlotRef]
     instance_id: str
     block_hashes: list[list[bytes]] = field(default_factory=list)  # each chunk's, for KV events
+    descriptions: list[bytes] = field(default_factory=list)  # each chunk's (app/chunk_description.py)
 
 
 @dataclass(slots=True)

@@ -2,9 +2,8 @@
 once the copies end, and which held requests' blocks may go.
 
 Who owns what: the worker thread calls everything here but ``_ended``, ``_abort_late`` and
-``_count_late_error``, which run on the copier's threads or the client's; those touch the counters,
-``done`` and the late errors under the worker's lock only. Save batches end in the order they were
-issued, so ``done`` (batches ended) tells which held requests may go.
+``_count_late_error`` (copier's or client's threads), which touch shared state under the worker's lock.
+Design: docs/internals.md#worker-side-workerpy-worker_savespy-worker_arenapy
 """
 
 from __future__ import annotations
@@ -159,6 +158,8 @@ class Saves:
             saved.slots.append(slot)
             if job.block_hashes:
                 saved.block_hashes.append(job.block_hashes[i])
+            if job.descriptions:
+                saved.descriptions.append(job.descriptions[i])
         if unused:
             self.client.abort(unused, reply.instance_id)
         return saved
@@ -172,7 +173,11 @@ class Saves:
                     self.client.abort(job.slots, job.instance_id)
                     continue
                 args = (self.namespace, job.hashes, job.slots, job.instance_id)
-                if job.block_hashes:  # for KV events; a stand-in client may not take them
+                if job.descriptions:  # for KV events; a stand-in client may not take them
+                    commit = self.client.commit(
+                        *args, block_hashes=job.block_hashes, descriptions=job.descriptions
+                    )
+                elif job.block_hashes:
                     commit = self.client.commit(*args, block_hashes=job.block_hashes)
                 else:
                     commit = self.client.commit(*args)

@@ -70,6 +70,8 @@ READ_BY: dict[str, str] = {
     "admin_host": "service",
     "events_url": "service",
     "events_replay_url": "service",
+    "events_connect": "service",
+    "events_topic": "service",
     "events_hash_format": "service",
     "log_level": "both",
     "log_format": "service",

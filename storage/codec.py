@@ -13,8 +13,13 @@ Layout, little-endian::
     key echo             keys.key_echo(key)
     (version 4 only)     key id (8 bytes) and MAC tag (32 bytes): see "Signed blobs" below
     payload              raw bytes
-    trailer (optional)   the vLLM block hashes the chunk covers: per hash u8 length and its bytes,
-                         then u64 xxh3_64 of those bytes (read by the disk scan, never by a load)
+    trailer (optional)   what the chunk covers, read by the disk scan and never by a load; then u64
+                         xxh3_64 of the bytes before it. Two layouts:
+                         plain (versions 3 and 4): the vLLM block hashes, per hash u8 length and bytes;
+                         described (versions 5 and 6): u8 0 (no plain entry starts with a zero
+                         length), u16 bytes of the hash entries, the hashes as above, then the
+                         chunk's description to the end (opaque here: the app's encoding of its
+                         tokens and parent hash)
 
 The header checks itself, so a reader can read and validate the header alone, then read the payload
 straight into its destination buffer and verify it there (no intermediate copy). Every mismatch raises
@@ -26,12 +31,18 @@ header checksum (magic, version, lengths, payload checksum), the key echo (names
 hash), the key id, the payload and the trailer. The header checksum covers id and tag too, so a
 damaged tag reads as corruption and a wrong one as forgery (``BlobForgedError``). Unsigned blobs
 (BLOB_FORMAT_VERSION) keep the layout above byte for byte.
+
+Versions: a blob whose trailer is described is written as DESCRIBED_VERSION (SIGNED_DESCRIBED_VERSION
+signed), every other one as before (3, or 4 signed), so a blob without a description (a Redis value,
+a chunk saved by a client that sent none) stays readable by builds that predate descriptions. Readers
+take all four. The payload's layout is the same in all four, so the namespace (which names
+BLOB_FORMAT_VERSION) does not change with them.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -54,9 +65,35 @@ MAX_ECHO_LEN = 1024
 MAX_PAYLOAD_LEN = 1 << 40
 # The format of signed blobs: BLOB_FORMAT_VERSION's layout plus key id and tag after the key echo.
 SIGNED_VERSION = 4
+# The formats of blobs whose trailer carries a description, unsigned and signed.
+DESCRIBED_VERSION = 5
+SIGNED_DESCRIBED_VERSION = 6
 SIGNATURE_SIZE = KEY_ID_SIZE + TAG_SIZE
-if SIGNED_VERSION == BLOB_FORMAT_VERSION:  # pragma: no cover - a bump of base's version must move this
-    raise ImportError("codec.SIGNED_VERSION must differ from BLOB_FORMAT_VERSION")
+_UNSIGNED_VERSIONS = (BLOB_FORMAT_VERSION, DESCRIBED_VERSION)
+_SIGNED_VERSIONS = (SIGNED_VERSION, SIGNED_DESCRIBED_VERSION)
+if len({*_UNSIGNED_VERSIONS, *_SIGNED_VERSIONS}) != 4:  # pragma: no cover - a bump must keep them apart
+    raise ImportError("codec's four format versions must differ from each other and BLOB_FORMAT_VERSION")
+_READS = (*_UNSIGNED_VERSIONS, *_SIGNED_VERSIONS)
+_DESCRIBED = b"\x00"  # the described trailer's first byte
+_COUNT = struct.Struct("<H")  # the described trailer's length of its hash entries
+
+
+class Covered(tuple[bytes, ...]):
+    """A chunk's vLLM block hashes in order, with its description: opaque bytes (the app's encoding
+    of the tokens and parent hash behind the hashes), b"" when unknown. It travels wherever the
+    block hashes do (commit, CPU entry, write-behind item, tier listener) and rests in the trailer."""
+
+    description: bytes
+
+    def __new__(cls, hashes: Iterable[bytes], description: bytes = b"") -> Covered:
+        self = super().__new__(cls, hashes)
+        self.description = description
+        return self
+
+
+def description_of(covered: Sequence[bytes]) -> bytes:
+    """covered's description, b"" for plain block hashes."""
+    return covered.description if isinstance(covered, Covered) else b""
 
 
 class BlobForgedError(BlobError):
@@ -73,6 +110,7 @@ class BlobHeader:
     trailer_len: int = 0
     key_id: bytes = b""  # signed blobs: the id of the key that signed it
     tag: bytes = b""  # signed blobs: the MAC tag
+    version: int = BLOB_FORMAT_VERSION
 
     @property
     def signed(self) -> bool:
@@ -168,17 +206,28 @@ def header_size(key: ChunkKey, signed: bool = False) -> int:
     return FIXED_HEADER_SIZE + len(key_echo(key)) + (SIGNATURE_SIZE if signed else 0)
 
 
+def is_described(trailer: Buffer) -> bool:
+    """True for a trailer of the described layout (its blob is written as DESCRIBED_VERSION)."""
+    return memoryview(trailer).cast("B")[:1].tobytes() == _DESCRIBED
+
+
 def encode_header(
-    key: ChunkKey, payload: Buffer, payload_checksum: int | None = None, trailer_len: int = 0
+    key: ChunkKey,
+    payload: Buffer,
+    payload_checksum: int | None = None,
+    trailer_len: int = 0,
+    described: bool = False,
 ) -> bytes:
     """The header for payload stored under key; pass payload_checksum when already computed, and
-    the length of the trailer (encode_trailer) that follows the payload, if any."""
+    the length of the trailer (encode_trailer) that follows the payload, if any, and whether it is
+    described (is_described)."""
     if not 0 <= trailer_len <= MAX_TRAILER_LEN:
         raise ValueError(f"a trailer of {trailer_len} bytes: at most {MAX_TRAILER_LEN} fit a blob")
     echo = key_echo(key)
     size = memoryview(payload).nbytes
     digest = checksum(payload) if payload_checksum is None else payload_checksum
-    fixed = _FIXED.pack(MAGIC, BLOB_FORMAT_VERSION, trailer_len, len(echo), size, digest)
+    version = DESCRIBED_VERSION if described else BLOB_FORMAT_VERSION
+    fixed = _FIXED.pack(MAGIC, version, trailer_len, len(echo), size, digest)
     return fixed + _CHECK.pack(xxhash.xxh3_64_intdigest(fixed + echo)) + echo
 
 
@@ -192,7 +241,8 @@ def encode_signed_header(
     echo = key_echo(key)
     size = memoryview(payload).nbytes
     digest = checksum(payload) if payload_checksum is None else payload_checksum
-    fixed = _FIXED.pack(MAGIC, SIGNED_VERSION, trailer_len, len(echo), size, digest)
+    version = SIGNED_DESCRIBED_VERSION if is_described(trailer) else SIGNED_VERSION
+    fixed = _FIXED.pack(MAGIC, version, trailer_len, len(echo), size, digest)
     mac = signer.signing_mac()
     for part in (fixed, echo, signer.key_id, payload, trailer):
         mac.update(part)
@@ -203,45 +253,77 @@ def encode_signed_header(
 def encode_for(signer: Signer | None, key: ChunkKey, payload: Buffer, trailer: Buffer = b"") -> bytes:
     """The header a tier writes: signed when it has a signer, else unsigned (as before keys)."""
     if signer is None:
-        return encode_header(key, payload, trailer_len=memoryview(trailer).nbytes)
+        view = memoryview(trailer)
+        return encode_header(key, payload, trailer_len=view.nbytes, described=is_described(view))
     return encode_signed_header(key, payload, signer, trailer)
 
 
-def encode_trailer(covered: Sequence[bytes]) -> bytes:
-    """The trailer naming covered (the chunk's block hashes), b"" for none; ValueError past the
-    u16 length the header holds, or for a hash over 255 bytes."""
-    if not covered:
-        return b""
+def _hash_entries(hashes: Sequence[bytes]) -> bytearray:
     parts = bytearray()
-    for block_hash in covered:
+    for block_hash in hashes:
         if not 0 < len(block_hash) <= 0xFF:
             raise ValueError(f"a block hash of {len(block_hash)} bytes: 1 to 255 fit a trailer")
         parts.append(len(block_hash))
         parts += block_hash
-    trailer = bytes(parts) + _CHECK.pack(xxhash.xxh3_64_intdigest(parts))
+    return parts
+
+
+def encode_trailer(covered: Sequence[bytes]) -> bytes:
+    """The trailer naming covered (the chunk's block hashes, and its description when it is a
+    Covered with one), b"" for none. A description that would not fit the u16 length the header
+    holds is left out (the hashes are kept); ValueError when the hashes alone do not fit, or for a
+    hash over 255 bytes."""
+    if not covered:
+        return b""
+    entries = _hash_entries(covered)
+    description = description_of(covered)
+    if description and len(entries) <= 0xFFFF:
+        body = _DESCRIBED + _COUNT.pack(len(entries)) + entries + description
+        if len(body) + _CHECK.size <= MAX_TRAILER_LEN:
+            return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+    trailer = bytes(entries) + _CHECK.pack(xxhash.xxh3_64_intdigest(entries))
     if len(trailer) > MAX_TRAILER_LEN:
         raise ValueError(f"{len(covered)} block hashes make a trailer over {MAX_TRAILER_LEN} bytes")
     return trailer
 
 
-def decode_trailer(trailer: Buffer) -> list[bytes]:
-    """The block hashes a trailer names; BlobError when it is damaged."""
+def _read_entries(body: bytes, at: int, end: int) -> list[bytes]:
+    """The hash entries of body[at:end]; BlobError when one runs past end."""
+    hashes = []
+    while at < end:
+        stop = at + 1 + body[at]
+        if stop > end or body[at] == 0:
+            raise BlobError("trailer entry runs past its end")
+        hashes.append(body[at + 1 : stop])
+        at = stop
+    return hashes
+
+
+def _read_described(body: bytes) -> Covered:
+    """The hashes and description of a described trailer's body (its checksum verified)."""
+    if len(body) < 1 + _COUNT.size:
+        raise BlobError("described trailer shorter than its hash entries' length")
+    (size,) = _COUNT.unpack_from(body, 1)
+    start = 1 + _COUNT.size
+    if start + size > len(body):
+        raise BlobError("described trailer's hash entries run past its end")
+    return Covered(_read_entries(body, start, start + size), body[start + size :])
+
+
+def decode_trailer(trailer: Buffer) -> Covered:
+    """The block hashes a trailer names, with its description (b"" for a plain trailer); BlobError
+    when it is damaged."""
     view = memoryview(trailer).cast("B")
     if not view.nbytes:
-        return []
+        return Covered(())
     if view.nbytes < _CHECK.size:
         raise BlobError(f"a trailer of {view.nbytes} bytes is shorter than its checksum")
     body = bytes(view[: -_CHECK.size])
     if xxhash.xxh3_64_intdigest(body) != _CHECK.unpack_from(view, view.nbytes - _CHECK.size)[0]:
         raise BlobError("trailer checksum mismatch")
-    hashes, at = [], 0
-    while at < len(body):
-        end = at + 1 + body[at]
-        if end > len(body) or body[at] == 0:
-            raise BlobError("trailer entry runs past its end")
-        hashes.append(body[at + 1 : end])
-        at = end
-    return hashes
+    if body[:1] == _DESCRIBED:
+        return _read_described(body)
+    return Covered(_read_entries(body, 0, len(body)))
 
 
 def encode(
@@ -271,7 +353,7 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
     # One unpack of all 36 fixed bytes: this runs on every read, where microseconds show.
     magic, version, trailer_len, echo_len, size, digest, stored_check = _WHOLE.unpack_from(view)
     _check_prefix(magic, echo_len)
-    signed = version == SIGNED_VERSION
+    signed = version in _SIGNED_VERSIONS
     end = FIXED_HEADER_SIZE + echo_len + (SIGNATURE_SIZE if signed else 0)
     if view.nbytes < end:
         raise BlobError(f"truncated header: {view.nbytes} of {end} header bytes")
@@ -279,9 +361,9 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
     signature = bytes(view[FIXED_HEADER_SIZE + echo_len : end])
     if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + echo + signature) != stored_check:
         raise BlobError("header checksum mismatch")
-    if version != BLOB_FORMAT_VERSION and not signed:
+    if version not in _UNSIGNED_VERSIONS and not signed:
         raise BlobFormatError(
-            f"format version {version}, this build reads {BLOB_FORMAT_VERSION} and {SIGNED_VERSION}"
+            f"format version {version}, this build reads {', '.join(map(str, sorted(_READS)))}"
         )
     if size > MAX_PAYLOAD_LEN:
         raise BlobError(f"payload length {size} exceeds {MAX_PAYLOAD_LEN}")
@@ -294,6 +376,7 @@ def parse_header(data: Buffer, key: ChunkKey | None = None) -> BlobHeader:
         trailer_len=int(trailer_len),
         key_id=signature[:KEY_ID_SIZE],
         tag=signature[KEY_ID_SIZE:],
+        version=int(version),
     )
 
 
@@ -309,7 +392,7 @@ def payload_mac(signer: Signer | None, header: BlobHeader) -> Mac | None:
     if mac is None:
         raise BlobForgedError(f"signed by key id {header.key_id.hex()}, none of this node's tier keys")
     fixed = _FIXED.pack(
-        MAGIC, SIGNED_VERSION, header.trailer_len, len(header.echo), header.payload_len, header.checksum
+        MAGIC, header.version, header.trailer_len, len(header.echo), header.payload_len, header.checksum
     )
     for part in (fixed, header.echo, header.key_id):
         mac.update(part)

@@ -1,26 +1,8 @@
 """The disk tier's files: the system calls, and the blob files they write and read, on I/O threads.
 
-A write goes to a temp file opened exclusively in the target directory, is checked for short writes,
-optionally fsynced, and is renamed into place, so a reader or a restart never sees half a chunk. A
-read fills the caller's buffer straight from the file (``os.preadv``) and verifies the checksum
-there; nothing is copied through Python bytes. A page-cache read or write is a memory copy, about as
-fast as the checksum, so each call splits its work with its I/O thread's companion (``Handoff``): a
-write writes a blank header and the payload while the companion checksums the payload, then writes
-the real header over the blank (the file is still a temp file nobody reads); a read reads the
-payload's checksum segments (``codec.SEGMENT``) from both ends at once, the worker from the front
-(with the header) and the companion from the back, each hashing a segment as soon as it lands,
-while it is in that core's cache. A companion is offered only for chunks big enough to pay for it
-and while a core is spare (``companion``), and one that is late leaves the worker to do everything.
-
-The scan that loads the tier's index lists the directory one fan-out directory at a time
-(``scan_plan``, then ``scan_unit`` for each) and checks each file's header and length; it removes the
-temp files of writes that never ended (crashes) but not those of this process's writes in flight, and
-reports corrupt and older-format files for the tier to remove, since a write of the same key may have
-replaced the file meanwhile.
-
-Who owns what: ``BlobFiles`` holds no state the event loop reads; its methods run on the disk
-tier's I/O threads with the paths and buffers they are handed, and report by return value or
-exception. The tier (``storage.tiers.disk``) keeps the index.
+Who owns what: ``BlobFiles`` holds no state the event loop reads; its methods run on the disk tier's
+I/O threads and report by return value or exception. The tier (``storage.tiers.disk``) keeps the index.
+Design: docs/internals.md#disk-tier-diskpy-disk_filespy-disk_indexpy
 """
 
 from __future__ import annotations
@@ -240,7 +222,7 @@ class BlobFiles:
         report.chunks += 1
         report.bytes += size
 
-    def check_file(self, path: str, key: ChunkKey) -> tuple[int, float, list[bytes]]:
+    def check_file(self, path: str, key: ChunkKey) -> tuple[int, float, Sequence[bytes]]:
         """Validate the header, length and trailer of one file (the payload is verified on every
         read); returns its size, mtime and the block hashes its trailer names."""
         fd = self.io.open_read(path)
@@ -311,7 +293,9 @@ class BlobFiles:
         digest = Handoff(codec.checksum, payload).offer(companion(payload.nbytes))
         try:
             self._write_all(fd, [memoryview(bytes(codec.header_size(key))), payload, memoryview(trailer)])
-            header = codec.encode_header(key, payload, digest.result(), len(trailer))
+            header = codec.encode_header(
+                key, payload, digest.result(), len(trailer), codec.is_described(trailer)
+            )
         finally:
             digest.settle()  # the companion may still be reading the caller's buffer
         self._pwrite_all(fd, memoryview(header), 0)

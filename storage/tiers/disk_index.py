@@ -1,30 +1,15 @@
 """The disk tier's index: which chunks have a file, its size, in LRU order; and the index's load.
 
-Memory: one plain dict keyed by a compact bytes key (a 4-byte namespace id, then the prefix hash),
-each value the file's size, one int object shared by every entry of that size. A ChunkKey (a tuple
-and its namespace string) or an OrderedDict node per entry would each cost about as much again.
-Recency is the dict's insertion order: a touch pops the key and inserts it again. A popped key leaves
-a hole that a scan from the oldest end steps over until the dict next resizes, so the tier evicts in
-batches (``storage.tiers.disk``) rather than scanning from the oldest end for every put.
-
-Loading: the tier starts serving with an empty index and fills it from a scan of its directory,
-which runs on threads and hands the loop one batch of files at a time (``IndexLoad.merge``). Until
-the scan ends, keys are appended in the order they are found, and ``IndexLoad`` records what the loop
-did meanwhile (keys stored or read, keys removed); at the end, a thread orders every file found by
-modification time, oldest first, and ``IndexLoad.settle`` puts that order in place with the keys
-stored or read during the load after it, at a cost in the loop proportional to what happened during
-the load, not to the index.
-
-Who owns what: ``DiskIndex`` and ``IndexLoad`` belong to the event loop. ``NamespaceIds`` is shared:
-the scan's threads name keys with it, so it assigns new ids under a lock. ``order_by_mtime`` runs in
-a thread on records the loop no longer changes.
+Who owns what: ``DiskIndex`` and ``IndexLoad`` belong to the event loop; ``NamespaceIds`` is shared
+with the scan's threads and assigns new ids under a lock; ``order_by_mtime`` runs in a thread.
+Design: docs/internals.md#disk-tier-diskpy-disk_filespy-disk_indexpy
 """
 
 from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,7 +132,7 @@ class ScanBatch:
     sizes: list[int] = field(default_factory=list)
     mtimes: list[float] = field(default_factory=list)
     bad: list[bytes] = field(default_factory=list)  # corrupt or of another format: to be removed
-    covered: list[list[bytes]] = field(default_factory=list)  # each file's block hashes (its trailer)
+    covered: list[Sequence[bytes]] = field(default_factory=list)  # each file's block hashes (its trailer)
 
 
 class IndexLoad:

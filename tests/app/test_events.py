@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 from vllm.distributed import kv_events as vllm_events
 
+from kvtier.app.chunk_description import encode_description
 from kvtier.app.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,8 +20,10 @@ from kvtier.app.events import (
     KVEventBatch,
     external_hash,
 )
+from kvtier.app.events_order import ParentOrder
 from kvtier.app.events_publisher import END_SEQ, EventPublisher
 from kvtier.storage.base import ChunkKey, NamespaceSpec, Tier
+from kvtier.storage.codec import Covered
 
 H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
 
@@ -34,7 +37,7 @@ def test_batches_encode_exactly_as_vllms_and_decode_with_its_classes() -> None:
     ours = KVEventBatch(
         12.5,
         [
-            BlockStored([1, 2], None, [], 16, None, "CPU_KVTIER", None, "kvtier"),
+            BlockStored([1, 2], None, [], 16, None, "CPU_KVTIER", None, ownership="kvtier"),
             BlockRemoved([H1], "DISK", "kvtier"),
             AllBlocksCleared(),
         ],
@@ -96,8 +99,8 @@ def test_recorder_announces_each_block_hash_once_per_medium() -> None:
     rec.removed(Tier.CPU, [kb])  # no longer held: ignored
     rec.flush()  # outside a loop every call went out at once
     assert _events(batches) == [
-        BlockStored([H1, H2], None, [], 16, None, "CPU_KVTIER", None, "kvtier"),
-        BlockStored([H1, H2], None, [], 16, None, "DISK", None, "kvtier"),
+        BlockStored([H1, H2], None, [], 16, None, "CPU_KVTIER", None, ownership="kvtier"),
+        BlockStored([H1, H2], None, [], 16, None, "DISK", None, ownership="kvtier"),
         BlockRemoved([H1, H2], "CPU_KVTIER", "kvtier"),
     ]
     assert rec.held_hashes(Tier.DISK) == {H1, H2}
@@ -108,7 +111,7 @@ def test_recorder_names_a_chunk_without_known_hashes_by_its_key() -> None:
     rec, batches = _recorder("int")
     rec.stored(Tier.REDIS, [ChunkKey("n", H3)], [()])
     assert _events(batches) == [
-        BlockStored([external_hash(H3, "int")], None, [], 0, None, "REDIS", None, "kvtier")
+        BlockStored([external_hash(H3, "int")], None, [], 0, None, "REDIS", None, ownership="kvtier")
     ]
 
 
@@ -203,3 +206,153 @@ async def test_publisher_refuses_an_endpoint_in_use() -> None:
             publisher.start()
         assert err.value.errno == zmq.EADDRINUSE
         await publisher.close()  # nothing left open: a second close is harmless
+
+
+# ---------------------------------------------------------------------------------------------- descriptions
+TOKENS = list(range(100, 164))  # a chunk of 4 blocks of 16 tokens
+
+
+def _described(blocks: list[bytes], parent: bytes = b"", **fields: object) -> Covered:
+    return Covered(blocks, encode_description(parent, TOKENS[: 16 * len(blocks)], **fields))  # type: ignore[arg-type]
+
+
+def test_a_described_chunk_is_announced_with_its_tokens_and_parent_as_vllm_fills_them() -> None:
+    rec, batches = _recorder("int")
+    blocks = [H1, H2, H3, b"\x04" * 32]
+    rec.stored(Tier.CPU, [ChunkKey("n", blocks[-1])], [_described(blocks, parent=b"\x09" * 32)])
+    (event,) = _events(batches)
+    theirs = vllm_events.BlockStored(
+        block_hashes=[external_hash(h, "int") for h in blocks],
+        parent_block_hash=external_hash(b"\x09" * 32, "int"),
+        token_ids=TOKENS,
+        block_size=16,
+        lora_id=None,
+        medium="CPU_KVTIER",
+        lora_name=None,
+        extra_keys=[None] * 4,  # what vLLM's GPU events say for blocks without extra keys
+        ownership="kvtier",
+    )
+    assert msgspec.msgpack.encode(event) == msgspec.msgpack.encode(theirs)
+    assert rec.undescribed == 0
+
+
+def test_lora_and_extra_keys_travel_per_block_and_a_prompts_first_chunk_has_no_parent() -> None:
+    rec, batches = _recorder("bytes")
+    extra = [("adapter", "salt"), ("adapter",)]
+    covered = _described([H1, H2], lora_id=3, lora_name="adapter", extra_keys=extra)
+    rec.stored(Tier.DISK, [ChunkKey("n", H2)], [covered])
+    (event,) = _events(batches)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=vllm_events.BlockStored)
+    assert decoded.parent_block_hash is None
+    assert (decoded.lora_id, decoded.lora_name) == (3, "adapter")
+    assert decoded.extra_keys == [("adapter", "salt"), ("adapter",)]
+    assert decoded.token_ids == TOKENS[:32] and decoded.block_size == 16
+
+
+def test_only_the_blocks_new_to_a_medium_are_announced_each_run_with_its_own_parent() -> None:
+    rec, batches = _recorder("bytes")
+    blocks = [H1, H2, H3, b"\x04" * 32]
+    # Another namespace (another chunk size) already holds blocks 1 and 3 in this medium.
+    rec.stored(Tier.CPU, [ChunkKey("m", H2)], [Covered([H2])])
+    rec.stored(Tier.CPU, [ChunkKey("o", blocks[3])], [Covered([blocks[3]])])
+    batches.clear()
+    rec.stored(Tier.CPU, [ChunkKey("n", blocks[3])], [_described(blocks, parent=b"\x09" * 32)])
+    first, second = _events(batches)
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids) == ([H1], b"\x09" * 32, TOKENS[:16])
+    assert (second.block_hashes, second.parent_block_hash, second.token_ids) == ([H3], H2, TOKENS[32:48])
+
+
+def test_a_promotion_names_no_hashes_and_is_announced_as_described_elsewhere() -> None:
+    rec, batches = _recorder("bytes")
+    key = ChunkKey("n", H2)
+    rec.stored(Tier.DISK, [key], [_described([H1, H2])])
+    rec.stored(Tier.CPU, [key], [()])  # a disk hit promoted into the CPU tier
+    rec.stored(Tier.REDIS, [key], [[H1, H2]])  # the same hashes, without the description
+    disk, cpu, redis = _events(batches)
+    assert cpu.token_ids == redis.token_ids == disk.token_ids == TOKENS[:32]
+    assert rec.undescribed == 0
+
+
+def test_chunks_without_a_description_are_announced_by_their_hashes_and_counted() -> None:
+    rec, batches = _recorder("bytes")
+    rec.stored(Tier.DISK, [ChunkKey("n", H2)], [Covered([H1, H2])])  # an older build's file
+    rec.stored(Tier.DISK, [ChunkKey("n", H3)], [Covered([H3], b"\xc1not msgpack")])  # not one of ours
+    short = Covered([H1, H2], encode_description(b"", TOKENS[:17]))  # tokens not whole blocks
+    rec.stored(Tier.CPU, [ChunkKey("n", H2)], [short])
+    assert [e.token_ids for e in _events(batches)] == [[], [], []]
+    assert rec.undescribed == 3
+
+
+async def test_a_connecting_publisher_reaches_a_subscriber_that_binds_as_llm_ds_indexer_does(
+    tmp_path: Path,
+) -> None:
+    url = f"ipc://{tmp_path}/indexer"
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    publisher = EventPublisher(url, topic="kv@pod-a@model", connect=True)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # llm-d's default topic filter
+        sub.bind(url)
+        publisher.start()
+        while not await sub.poll(50):  # ZMQ's slow joiner: publish until one arrives
+            publisher.publish(_batch(publisher.next_seq))
+        topic, _seq, payload = await _recv(sub)
+        assert topic == b"kv@pod-a@model" and _vllm_decode(payload).events
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        await publisher.close()
+
+
+# ---------------------------------------------------------------------------------------------- parents first
+H4, H5 = b"\x04" * 32, b"\x05" * 32
+
+
+async def test_a_chunk_found_before_its_parent_goes_out_after_it() -> None:
+    """The disk index's load finds files in directory order: children may come first."""
+    rec, batches = _recorder("bytes")
+    third = Covered([H5], encode_description(H4, TOKENS[32:48]))
+    second = Covered([H3, H4], encode_description(H2, TOKENS[:32]))
+    first = Covered([H1, H2], encode_description(b"", TOKENS[:32]))
+    rec.stored(Tier.DISK, [ChunkKey("n", H5), ChunkKey("n", H4)], [third, second])
+    assert rec.order.parked == 2
+    rec.stored(Tier.DISK, [ChunkKey("n", H2)], [first])
+    await asyncio.sleep(0)  # the turn's batch goes out
+    assert [e.block_hashes for e in _events(batches)] == [[H1, H2], [H3, H4], [H5]]
+    assert rec.order.parked == 0
+
+
+async def test_a_waiting_chunk_removed_before_its_parent_came_is_never_announced_stored() -> None:
+    rec, batches = _recorder("bytes")
+    rec.stored(Tier.DISK, [ChunkKey("n", H4)], [Covered([H3, H4], encode_description(H2, TOKENS[:32]))])
+    rec.removed(Tier.DISK, [ChunkKey("n", H4)])
+    rec.stored(Tier.DISK, [ChunkKey("n", H2)], [Covered([H1, H2], encode_description(b"", TOKENS[:32]))])
+    await asyncio.sleep(0)
+    stored = [e.block_hashes for e in _events(batches) if isinstance(e, BlockStored)]
+    assert stored == [[H1, H2]] and rec.order.parked == 0
+
+
+async def test_a_chunk_whose_parent_never_comes_goes_out_after_the_wait() -> None:
+    now = [100.0]
+    sent: list[object] = []
+    order = ParentOrder(sent.append, wait_s=5.0, clock=lambda: now[0])
+    order.stored("late", H2, "child event", [H3])
+    order.release_expired()  # not due yet
+    assert sent == [] and order.parked == 1
+    now[0] += 5.0
+    order.release_expired()
+    assert sent == ["child event"] and order.parked == 0
+    order.stored("grandchild", H3, "its child", [H4])  # its parent went out: no wait
+    assert sent == ["child event", "its child"]
+
+
+async def test_every_waiting_run_of_a_removed_chunk_is_dropped_and_the_others_still_wait() -> None:
+    sent: list[object] = []
+    order = ParentOrder(sent.append)
+    order.stored(("disk", "chunk"), H1, "run 1", [H2])  # two runs of one chunk, each waiting
+    order.stored(("disk", "chunk"), H3, "run 2", [H4])
+    order.stored(("disk", "other"), H1, "other chunk", [H5])
+    order.removed(("disk", "chunk"), "removed", [H2, H4])
+    assert sent == ["removed"] and order.parked == 1
+    order.stored(("disk", "parent"), None, "parent", [H1])
+    assert sent == ["removed", "parent", "other chunk"] and order.parked == 0

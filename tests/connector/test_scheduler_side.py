@@ -121,6 +121,10 @@ class FakeRequest:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.block_hashes = [bytes([seed, i]) for i in range(hashed_blocks)]
+        self.all_token_ids = list(range(num_prompt))
+        self.lora_request = None
+        self.mm_features: list[Any] = []
+        self.cache_salt = None
 
 
 def _blocks(ids: list[int]) -> Any:

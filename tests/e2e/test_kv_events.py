@@ -1,7 +1,10 @@
 """KV events through a real engine: a subscriber that reads only kvtier's events holds, per tier,
 exactly the block hashes the service holds, through CPU eviction, disk writes, a corrupt blob, a
 clear and a restart with the disk kept; a late subscriber catches up through the replay socket; the
-admin lookup answers as the connector's lookup does. With a real Redis tier, the subscriber's REDIS
+admin lookup answers as the connector's lookup does. kvtier's BlockStored carry the token ids, parent
+hashes and extra keys vLLM's own GPU events carry for the same blocks, so a token-keyed indexer
+following llm-d's rules (tests/support/indexer.py) indexes them: with the GPU's events, and after the
+restart from kvtier's alone. With a real Redis tier, the subscriber's REDIS
 set equals the keys Redis itself holds through a delete, keys Redis lost behind kvtier's back (found
 gone by a lookup's EXISTS and by a read, as docs/events.md guarantees) and a clear."""
 
@@ -15,11 +18,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
+import zmq
+from vllm.config.kv_events import KVEventsConfig
+from vllm.distributed import kv_events as vllm_events
 
-from kvtier.app.events import MEDIUM
-from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
+from kvtier.app.events import MEDIUM, external_hash
+from kvtier.app.events_publisher import END_SEQ
+from kvtier.bench.harness import BLOCK_SIZE, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.introspect import scheduler_connector
 from kvtier.storage import codec
 from kvtier.storage.base import ChunkKey, Tier
@@ -27,6 +35,7 @@ from kvtier.storage.keys import REDIS_PREFIX, disk_relpath, redis_key
 from tests.app import wait_until
 from tests.e2e.oracle import forget_local_cache, wait_written
 from tests.e2e.service import RunningService, running_service
+from tests.support.indexer import Indexer, engine_key
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -36,6 +45,9 @@ PROMPTS = [
 ]  # 4 chunks each: 20 chunks, more than the CPU tier holds
 REDIS_PROMPTS = [make_prompt(400 + i, 270) for i in range(3)]  # 4 chunks each
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "kv_events_subscriber.py"
+MODEL = "tiny"
+TOPIC = f"kv@pod-a@{MODEL}"  # llm-d's form: the pod credited with the blocks, the model hashed into keys
+WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "cpu_kvtier": 0.8, "disk": 0.6, "redis": 0.5, "object": 0.4}
 
 
 def _example() -> Any:
@@ -127,17 +139,30 @@ def test_a_subscriber_rebuilds_every_tier_through_eviction_corruption_clear_and_
         events_url=events,
         events_replay_url=replay,
         events_hash_format="bytes",
+        events_topic=TOPIC,
         admin_port=admin,
+    )
+    gpu_replay = f"ipc://{tmp_path}/gpu-replay"
+    gpu_events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{tmp_path}/gpu-events",
+        replay_endpoint=gpu_replay,
+        topic=TOPIC,
     )
     view = mod.TierView(events, replay)
     try:
         with running_service(tmp_path / "svc1", **settings) as svc:
             cfg = kv_transfer_config(service_url=svc.url, chunk_size=CHUNK)
-            with running_engine(tiny_model, cfg) as llm:
+            with running_engine(tiny_model, cfg, kv_events_config=gpu_events) as llm:
                 ns, bpc, blocks = _store(svc, llm, PROMPTS, "disk")
                 assert svc.stats()["tiers"]["cpu"]["evictions"] > 0, "the CPU tier never evicted"
                 _corrupt_first_chunk(tmp_path / "disk", ns, blocks[0][bpc - 1], svc, llm)
                 _lookup_api_matches_the_connectors(svc, admin, ns, bpc, blocks)
+                gpu = replay_all(gpu_replay)
+                ours = replay_all(replay)
+                _kvtier_blocks_are_described_as_the_gpus(gpu, ours)
+                _an_indexer_fed_both_streams_holds_the_disk_tiers_prefixes(gpu + ours, admin, ns, blocks)
             # Once the engine is gone no save can land after the clear (the recomputed chunk's may
             # still have been on their way), and once the writes are done no chunk is pinned.
             assert wait_until(lambda: svc.stats()["write_queue_depth"] == 0, 30)
@@ -156,8 +181,75 @@ def test_a_subscriber_rebuilds_every_tier_through_eviction_corruption_clear_and_
                 assert {m: late.held.get(m, set()) for m in truth} == truth
             finally:
                 late.close()
+            # No engine and no GPU events: kvtier's announcements of the files alone index them.
+            _an_indexer_fed_both_streams_holds_the_disk_tiers_prefixes(replay_all(replay), admin, ns, blocks)
     finally:
         view.close()
+
+
+def replay_all(replay_url: str) -> list[tuple[bytes, Any]]:
+    """Every batch a publisher keeps (vLLM's or kvtier's), with its topic, through its replay socket."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    got: list[tuple[bytes, Any]] = []
+    try:
+        dealer.connect(replay_url)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            _empty, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return got
+            got.append((topic, msgspec.msgpack.decode(payload, type=vllm_events.KVEventBatch)))
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
+def _described_blocks(batches: list[tuple[bytes, Any]], media: set[str]) -> dict[int, tuple[Any, ...]]:
+    """Per block hash (as an int) of every BlockStored in media: its parent, tokens and extra keys."""
+    out: dict[int, tuple[Any, ...]] = {}
+    for _topic, batch in batches:
+        for e in batch.events:
+            if not isinstance(e, vllm_events.BlockStored) or e.medium not in media:
+                continue
+            assert e.token_ids, f"a BlockStored without tokens: {e}"
+            parent = None if e.parent_block_hash is None else engine_key(e.parent_block_hash)
+            for i, h in enumerate(e.block_hashes):
+                tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+                extra = None if e.extra_keys is None else e.extra_keys[i]
+                out[engine_key(h)] = (parent, tokens, extra, e.block_size, e.lora_id, e.lora_name)
+                parent = engine_key(h)
+    return out
+
+
+def _kvtier_blocks_are_described_as_the_gpus(
+    gpu: list[tuple[bytes, Any]], ours: list[tuple[bytes, Any]]
+) -> None:
+    """Every block kvtier announced carries what vLLM's own event for it carries."""
+    assert {topic for topic, _ in ours} == {topic for topic, _ in gpu} == {TOPIC.encode()}
+    theirs = _described_blocks(gpu, {"GPU"})
+    described = _described_blocks(ours, {MEDIUM[Tier.CPU], MEDIUM[Tier.DISK]})
+    assert len(described) == len(PROMPTS) * 256 // BLOCK_SIZE  # every block of every saved chunk
+    assert {h: theirs.get(h) for h in described} == described
+    assert external_hash(bytes(32), "int") == engine_key(bytes(32))  # both name blocks alike
+
+
+def _an_indexer_fed_both_streams_holds_the_disk_tiers_prefixes(
+    batches: list[tuple[bytes, Any]], admin: int, ns: str, blocks: list[list[bytes]]
+) -> None:
+    """Following llm-d's rules, the indexer credits the pod with exactly the leading blocks of each
+    prompt that the disk tier holds (the admin lookup's count), and drops nothing."""
+    indexer = Indexer(BLOCK_SIZE, WEIGHTS)
+    for topic, batch in batches:
+        indexer.apply(topic, batch)
+    assert not indexer.dropped, indexer.dropped
+    for prompt, prompt_blocks in zip(PROMPTS, blocks, strict=True):
+        hexed = [h.hex() for h in prompt_blocks]
+        answer = _post(
+            admin, {"namespace": ns, "block_hashes": hexed, "blocks_per_chunk": CHUNK // BLOCK_SIZE}
+        )
+        assert indexer.leading_blocks(prompt, MODEL, "pod-a", {"disk"}) == answer["tiers"]["disk"]
 
 
 def _corrupt_first_chunk(disk: Path, ns: str, last_hash: bytes, svc: RunningService, llm: Any) -> None:
