@@ -288,15 +288,20 @@ def _tier_families(stats: StoreStats) -> Iterator[Metric]:
     for attr, (name, doc) in counters.items():
         families[attr] = CounterMetricFamily(name, doc, labels=["tier"])
     healthy = GaugeMetricFamily("kvtier_tier_healthy", "1 when the tier is serving.", labels=["tier"])
+    loading = GaugeMetricFamily(
+        "kvtier_tier_loading", "1 while the tier's index is loaded (disk scan, object LIST).", labels=["tier"]
+    )
     errors = CounterMetricFamily("kvtier_tier_errors", "Tier errors by kind.", labels=["tier", "kind"])
     for tier_name, tier in stats.tiers.items():
         for attr, family in families.items():
             family.add_metric([tier_name], getattr(tier, attr))  # type: ignore[attr-defined]
         healthy.add_metric([tier_name], 1.0 if tier.healthy else 0.0)
+        loading.add_metric([tier_name], 1.0 if tier.loading else 0.0)
         for kind, n in tier.errors.items():
             errors.add_metric([tier_name, kind], n)
     yield from families.values()
     yield healthy
+    yield loading
     yield errors
 
 

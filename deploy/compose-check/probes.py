@@ -72,8 +72,9 @@ def stats_chunks(stats: dict[str, Any]) -> dict[str, int]:
     return {name: int(tier.get("stores" if name == "redis" else "chunks", 0)) for name, tier in tiers.items()}
 
 
-def check_hit(tally: Tally, stack: Stack, api: Api) -> str:
-    """A prompt is stored; the same prompt again (vLLM's own prefix cache emptied) loads from kvtier."""
+def check_hit(tally: Tally, stack: Stack, api: Api) -> tuple[str, str]:
+    """A prompt is stored; the same prompt again (vLLM's own prefix cache emptied) loads from kvtier.
+    Returns the prompt and its output."""
     prompt = prompt_text(1)
     count = api.tokens(prompt)
     tally.check("prompt is long enough for four chunks", count > CHUNK_TOKENS_MIN, f"{count} tokens")
@@ -86,14 +87,14 @@ def check_hit(tally: Tally, stack: Stack, api: Api) -> str:
     tally.check(
         "first prompt stored in kvtier (vllm:kvtier_saved_tokens)", saved >= CHUNK_TOKENS_MIN, f"{saved:.0f}"
     )
-    want = {"cpu", "disk", "redis"}
+    want = {"cpu", "disk", "redis", "object"}
     chunks = stats_chunks(kvtier_stats(stack))
     while time.monotonic() < deadline and not all(chunks.get(t, 0) >= CHUNKS_MIN for t in want):
         time.sleep(1)
         chunks = stats_chunks(kvtier_stats(stack))
     stored = all(chunks.get(t, 0) >= CHUNKS_MIN for t in want)
     detail = f"chunks {chunks} (Redis: stores)"
-    tally.check("`kvtier stats`: the chunks went to the CPU, disk and Redis tiers", stored, detail)
+    tally.check("`kvtier stats`: the chunks went to the CPU, disk, Redis and object tiers", stored, detail)
     api.reset_prefix_cache()
     ext0, cpu0 = api.counter("vllm:kvtier_external_tokens"), api.counter("vllm:kvtier_hit_tokens", tier="cpu")
     second = api.complete(prompt)
@@ -116,7 +117,31 @@ def check_hit(tally: Tally, stack: Stack, api: Api) -> str:
     tally.check("`kvtier stats` counts the hit (hit_tokens.cpu)", hits >= CHUNK_TOKENS_MIN, f"+{hits:.0f}")
     tally.check("`kvtier stats` lists the connected vLLM engine", engines >= 1, f"{engines} engines")
     tally.check("vllm:kvtier_active is 1", metric_sum(api.metrics(), "vllm:kvtier_active") >= 1)
-    return prompt
+    return prompt, first
+
+
+def check_object(tally: Tally, stack: Stack, api: Api, prompt: str, output: str) -> None:
+    """The object profile: the chunks are objects in its bucket, and with the CPU, disk and Redis
+    tiers emptied (`kvtier clear`) the same prompt is a hit from the object tier, output unchanged."""
+    listing = stack.exec(
+        "seaweedfs", "wget", "-q", "-O", "-", "http://127.0.0.1:8333/kvtier?list-type=2&prefix=chunks/"
+    )
+    objects = listing.stdout.count("<Key>")
+    held = objects >= CHUNKS_MIN
+    tally.check("the bucket s3://kvtier/chunks holds kvtier's chunks", held, f"{objects} objects")
+    cleared = stack.exec("kvtier", "kvtier", "clear", "--tier", "cpu,disk,redis", "--json")
+    said = (cleared.stdout + cleared.stderr)[-300:]
+    tally.check("`kvtier clear --tier cpu,disk,redis`", cleared.returncode == 0, said)
+    api.reset_prefix_cache()
+    before = api.counter("vllm:kvtier_hit_tokens", tier="object")
+    again = api.complete(prompt)
+    hit = api.counter("vllm:kvtier_hit_tokens", tier="object") - before
+    tally.check(
+        "the prompt again is a hit from the object tier (vllm:kvtier_hit_tokens{tier=object})",
+        hit >= CHUNK_TOKENS_MIN,
+        f"{hit:.0f}",
+    )
+    tally.check("the object hit's output equals the computed one", again == output, f"{output!r} / {again!r}")
 
 
 def check_redis(tally: Tally, stack: Stack) -> None:
@@ -162,7 +187,7 @@ def check_restart(tally: Tally, stack: Stack, api: Api, stored: str) -> None:
     ok = not errors and during > 0
     detail = f"{len(started)} requests, {during} sent during the {restart_end - restart_start:.0f} s restart"
     tally.check("no request lost while kvtier restarted", ok, f"{detail}, {len(errors)} failed {errors[:2]}")
-    before = {t: api.counter("vllm:kvtier_hit_tokens", tier=t) for t in ("cpu", "disk", "redis")}
+    before = {t: api.counter("vllm:kvtier_hit_tokens", tier=t) for t in ("cpu", "disk", "redis", "object")}
     deadline, ext = time.monotonic() + 90, 0.0
     while time.monotonic() < deadline:
         api.reset_prefix_cache()

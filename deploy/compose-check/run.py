@@ -1,9 +1,11 @@
-"""`make compose-check`: start compose.yaml's stack for real (profile cpu, then metrics) and check it.
+"""`make compose-check`: start compose.yaml's stack for real (profiles cpu and object, then metrics) and
+check it.
 
 Steps: Docker from Debian's packages (daemon started, Compose v2); base images pulled or stood in;
-a small random-weight model built locally; `docker compose --profile cpu up --build -d`; every
-healthcheck waited for; then hits through vLLM's OpenAI API, Redis, a kvtier restart mid-run, uid and
-tmpfs sharing, healthcheck timings, logs, Prometheus; finally `docker compose down -v` leaves nothing.
+a small random-weight model built locally; `docker compose --profile cpu --profile object up --build
+-d`; every healthcheck waited for; then hits through vLLM's OpenAI API, Redis, the object tier's
+bucket and a hit from it, a kvtier restart mid-run, uid and tmpfs sharing, healthcheck timings, logs,
+Prometheus; finally `docker compose down -v` leaves nothing.
 Prints `compose-check: N passed, N failed` last and exits non-zero on any failure.
 """
 
@@ -26,7 +28,9 @@ from tally import PREFIX, Tally
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = Path(os.environ.get("KVTIER_CHECK_CACHE", "/var/cache/kvtier-compose-check"))
-CPU_SERVICES = ["redis", "kvtier", "vllm-cpu"]
+CPU_SERVICES = ["redis", "kvtier", "vllm-cpu", "seaweedfs"]
+UP_PROFILES = ["cpu", "object"]
+ALL_PROFILES = ["cpu", "object", "metrics"]
 
 
 def build_model(cache: Path) -> Path:
@@ -50,9 +54,9 @@ def prepare(tally: Tally, cache: Path, wheels: Path) -> Stack | None:
     tally.check("Docker engine and Compose v2 run", True, f"compose {version}")
     torch_index, _server = serve_torch_index(wheels, cache)  # served on 127.0.0.1 until the check exits
     stack = Stack.prepare(REPO, cache, build_model(cache), torch_index)
-    stack.profiles = ["cpu", "metrics"]
+    stack.profiles = ALL_PROFILES
     model = stack.config()
-    stack.profiles = ["cpu"]
+    stack.profiles = UP_PROFILES
     for image in standins.images_needed(REPO, [*CPU_SERVICES, "prometheus", "grafana"], model):
         outcome = standins.ensure_image(image, cache)
         if outcome.how == "unavailable":
@@ -66,21 +70,23 @@ def run_checks(tally: Tally, stack: Stack) -> None:
     """Up, the checks, restart, metrics profile; the stack is left for `down -v`."""
     start = time.monotonic()
     stack.compose("up", "--build", "-d", timeout=1800)
-    tally.check("docker compose --profile cpu up --build -d", True, f"{time.monotonic() - start:.0f} s")
+    took = f"{time.monotonic() - start:.0f} s"
+    tally.check("docker compose --profile cpu --profile object up --build -d", True, took)
     times = stack.wait_healthy(CPU_SERVICES, timeout=600, since=start)
     tally.check("every healthcheck passes", True, ", ".join(f"{s} {t:.0f} s" for s, t in times.items()))
     api = probes.Api(stack)
     probes.check_sharing(tally, stack)
     probes.check_tmpfs(tally, stack)
-    stored = probes.check_hit(tally, stack, api)
+    stored, output = probes.check_hit(tally, stack, api)
     probes.check_redis(tally, stack)
+    probes.check_object(tally, stack, api, stored, output)
     probes.check_restart(tally, stack, api, stored)
     probes.check_healthchecks(tally, stack, CPU_SERVICES, times)
     probes.check_logs(tally, stack)
     if standins.image_label("prom/prometheus:v3.1.0") is None:
         tally.note("prom/prometheus:v3.1.0 is not available: the metrics profile is not started")
         return
-    stack.profiles = ["cpu", "metrics"]
+    stack.profiles = ALL_PROFILES
     stack.compose("up", "-d", "prometheus", timeout=300)
     stack.wait_healthy(["prometheus"], timeout=120)
     probes.check_prometheus(tally, stack)
@@ -89,7 +95,7 @@ def run_checks(tally: Tally, stack: Stack) -> None:
 
 def tear_down(tally: Tally, stack: Stack) -> None:
     """`docker compose down -v` leaves no container, volume or network of the project."""
-    stack.profiles = ["cpu", "metrics"]
+    stack.profiles = ALL_PROFILES
     try:
         stack.compose("down", "-v", "--remove-orphans", timeout=300)
     except RuntimeError as exc:
@@ -120,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PREFIX}: Docker cannot run here (above); under CI=true that fails the run", flush=True)
         return tally.finish()
     try:
-        stack.profiles = ["cpu", "metrics"]
+        stack.profiles = ALL_PROFILES
         stack.compose("down", "-v", "--remove-orphans", timeout=300, echo=False)  # a previous run's leftovers
-        stack.profiles = ["cpu"]
+        stack.profiles = UP_PROFILES
         run_checks(tally, stack)
     except Exception as exc:
         traceback.print_exc()

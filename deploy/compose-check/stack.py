@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent
 OVERRIDE = HERE / "compose.check.yaml"
 PROJECT = "kvtier"  # compose.yaml's `name:`
 MODEL_MOUNT = "/models/kvtier-tiny"
-# The check's edits to .env.example: the cpu profile, the local model, sizes for a shared 2-core machine.
+# The check's edits to .env.example: the cpu profile, the local model, sizes for a shared 2-core machine,
+# the object tier on the object profile's SeaweedFS.
 ENV_EDITS = {
     "COMPOSE_PROFILES": "cpu",
     "MODEL": MODEL_MOUNT,
@@ -32,6 +33,7 @@ ENV_EDITS = {
     "ARENA_TMPFS_SIZE": "512m",
     "KVTIER_DISK_SIZE": "1GiB",
     "REDIS_MAXMEMORY": "256mb",
+    "KVTIER_OBJECT_URL": "s3://kvtier/chunks",  # the object profile's bucket
 }
 TORCH_INDEX_PORT = 18777
 PORT_VARS = ("API_PORT", "ADMIN_HOST_PORT", "PROMETHEUS_HOST_PORT", "GRAFANA_HOST_PORT")

