@@ -38,10 +38,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "service": ("kvtier.bench.service", "service round trips against a bare unix-socket echo"),
     "connector": ("kvtier.bench.connector", "TTFT with kvtier hits against recompute"),
     "gpu": ("kvtier.bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
-    "gpu-check": ("kvtier.bench.gpu_check", "correctness of the CUDA copy path (CPU part runs anywhere)"),
     "serve": ("kvtier.bench.serve", "vllm bench serve: prefix cache alone, with kvtier, and its ceiling"),
     "kill": ("kvtier.bench.serve_kill", "vllm bench serve with the embedded service killed mid-run"),
     "signing": ("kvtier.bench.signing", "a shared tier's MAC against the checksum every load pays"),
+    "scale": ("kvtier.bench.scale", "costs against tier size (1k-1M chunks) and connections (1-64)"),
 }
 
 
@@ -324,6 +324,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="run a benchmark (figures as ratios to a reference measured in the same run)",
         description="Run a benchmark; `kvtier bench NAME --help` shows its options.",
+        epilog="The CUDA copy path's device check is a developer's tool: from a checkout of kvtier, "
+        '`python -m tools.gpu_check` (README.md, "On a GPU").',
     )
     names = bench.add_subparsers(dest="name", required=True, metavar="NAME")
     for name, (_module, text) in BENCHES.items():
