@@ -195,11 +195,12 @@ class _Keep(logging.Handler):
 
 @pytest.fixture
 def vllm_handler() -> Iterator[_Keep]:
-    """A handler on vLLM's logger at INFO, as vLLM configures it; kvtier's loggers restored after."""
+    """A handler on vLLM's logger at INFO, as vLLM configures it, and no other (importing vLLM earlier in
+    this process adds its stdout handler); kvtier's loggers restored after."""
     loggers = [logging.getLogger(name) for name in ("vllm", "vllm.kvtier", "kvtier")]
     saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
     handler = _Keep(logging.INFO)
-    loggers[0].addHandler(handler)
+    loggers[0].handlers[:] = [handler]
     try:
         yield handler
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,24 @@ def test_misspelt_keys_of_the_file_and_extra_config_get_the_likely_name() -> Non
         load_settings(extra={"config_file": "a.yaml"}, env={})
 
 
+@pytest.fixture
+def kvtier_logging_as_at_start() -> Iterator[None]:
+    """kvtier's and vLLM's loggers without the handlers earlier tests in this process added (routing
+    kvtier's lines to vLLM's handlers, which would hand each record on a second time); restored after."""
+    loggers = [logging.getLogger(name) for name in ("kvtier", "kvtier.settings", "vllm")]
+    saved = [(lg, list(lg.handlers), lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers.clear()
+        lg.propagate = True
+    try:
+        yield
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers[:] = handlers
+            lg.propagate = propagate
+
+
+@pytest.mark.usefixtures("kvtier_logging_as_at_start")
 def test_ignored_variables_are_logged_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="kvtier.settings"):
         assert log_ignored_env({"KVTIER_PORT": "tcp://10.0.0.1:7711", "KVTIER_SERVICE_HOST": "10.0.0.1"})
