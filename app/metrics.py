@@ -187,6 +187,7 @@ def stats_dict(stats: StoreStats, metrics: ServiceMetrics, instance_id: str) -> 
         "slots_total_bytes": stats.slots_total_bytes,
         "write_queue_depth": stats.write_queue_depth,
         "writes_dropped": stats.writes_dropped,
+        "reserves_dropped": stats.reserve_dropped,
         "namespaces": stats.namespaces,
         "connections": metrics.connections,
         "lookups": metrics.lookups,
@@ -224,6 +225,11 @@ class StoreCollector(Collector):
         )
         yield _counter(
             "kvtier_writes_dropped", "Lower-tier writes dropped (queue full).", stats.writes_dropped
+        )
+        yield _counter(
+            "kvtier_reserves_dropped",
+            "Saves refused for lack of arena space (every slot pinned or leased).",
+            stats.reserve_dropped,
         )
         yield _gauge("kvtier_namespaces", "Registered namespaces.", stats.namespaces)
         yield _gauge("kvtier_connections", "Open client connections.", m.connections)

@@ -93,3 +93,12 @@ def _process_start_time() -> float:
     with open("/proc/self/stat") as f:
         ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_saves_refused_for_arena_space_are_exported_and_in_the_stats() -> None:
+    stats = StoreStats({"cpu": TierStats()}, 0, 0, 0, 0, 2, 0, reserve_dropped=5)
+    body = generate_latest(build_registry(lambda: stats, ServiceMetrics())).decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    assert [s.value for s in families["kvtier_reserves_dropped"].samples if s.name.endswith("_total")] == [5]
+    assert [s.value for s in families["kvtier_writes_dropped"].samples if s.name.endswith("_total")] == [2]
+    assert stats_dict(stats, ServiceMetrics(), "i")["reserves_dropped"] == 5
