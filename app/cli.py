@@ -34,13 +34,13 @@ if TYPE_CHECKING:
 # Benchmarks: name -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`
 # and is imported only when run. The connector's benchmark registers itself here under "connector".
 BENCHES: dict[str, tuple[str, str]] = {
-    "storage": ("kvtier.bench.storage", "tier throughput against memcpy, file I/O and redis-py"),
+    "storage": ("kvtier.bench.storage", "tier throughput against memcpy, file I/O, redis-py and obstore"),
     "service": ("kvtier.bench.service", "service round trips against a bare unix-socket echo"),
     "connector": ("kvtier.bench.connector", "TTFT with kvtier hits against recompute"),
     "gpu": ("kvtier.bench.gpu_copy", "GPU <-> arena block copies against cudaMemcpy (CUDA only)"),
     "serve": ("kvtier.bench.serve", "vllm bench serve: prefix cache alone, with kvtier, and its ceiling"),
     "kill": ("kvtier.bench.serve_kill", "vllm bench serve with the embedded service killed mid-run"),
-    "signing": ("kvtier.bench.signing", "a shared tier's MAC against the checksum every load pays"),
+    "signing": ("kvtier.bench.signing", "a shared tier's MAC against the checksum (--ttft: on a hit's TTFT)"),
     "scale": ("kvtier.bench.scale", "costs against tier size (1k-1M chunks) and connections (1-64)"),
 }
 

@@ -161,8 +161,8 @@ def _env_default(name: str, value: str) -> contextlib.AbstractContextManager[Non
     return environment({} if name in os.environ else {name: value})
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run every part and return the figures."""
+def _parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     parser = argparse.ArgumentParser(prog="kvtier bench connector", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--skip-ttft", action="store_true", help="only the copy and scheduler parts")
@@ -172,14 +172,26 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         help=f"one copy round and one scheduler engine of {QUICK_REQUESTS} requests, no TTFT part: "
         "shows the benchmark runs end to end (its figures are not meant to be reported)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--hits-only",
+        action="store_true",
+        help="only part (c)'s hits engine: each tier's hit against its floor (no copies, scheduler or "
+        "miss pairs; the object tier's where SeaweedFS's weed is installed); with --quick: one prompt, "
+        "one round, no warm-up",
+    )
+    return parser
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every part and return the figures."""
+    args = _parser().parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Engines (and this process: torch reads it at its first allocation) keep weights and KV cache
     # on transparent huge pages where the kernel allows, which steadies engine-to-engine speed.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     # vLLM logs to stdout unless told otherwise; --json promises one JSON object there.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    result: dict[str, Any] = {"copy": bench_copy(1 if args.quick else 7)}
+    result: dict[str, Any] = {} if args.hits_only else {"copy": bench_copy(1 if args.quick else 7)}
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
         # vLLM's engines leave their ZeroMQ socket files behind (in /tmp by default): here they go
@@ -188,16 +200,22 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     ):
         work = Path(tmp)
         tiny = str(build_model(work / "tiny", TINY))
-        if args.quick:
+        if args.hits_only:
+            model = str(build_model(work / "bench", BENCH))
+            repeat = 1 if args.quick else 5
+            result["ttft"] = bench_ttft(model, work, repeat=repeat, miss=False, quick=args.quick)
+        elif args.quick:
             result["scheduler"] = bench_scheduler_runs(tiny, work, runs=1, num_requests=QUICK_REQUESTS)
         else:
             result["scheduler"] = bench_scheduler_runs(tiny, work)
-        if not (args.skip_ttft or args.quick):
+        if not (args.skip_ttft or args.quick or args.hits_only):
             result["ttft"] = bench_ttft(str(build_model(work / "bench", BENCH)), work)
-    result["copy_ratio"] = result["copy"]["copy_ratio"]
-    result["scheduler_overhead_fraction"] = result["scheduler"]["scheduler_overhead_fraction"]
-    if "ttft" in result:
+    if not args.hits_only:
+        result["copy_ratio"] = result["copy"]["copy_ratio"]
+        result["scheduler_overhead_fraction"] = result["scheduler"]["scheduler_overhead_fraction"]
+    if "ttft_miss_ratio" in result.get("ttft", {}):
         result["ttft_miss_ratio"] = result["ttft"]["ttft_miss_ratio"]
+    if "ttft" in result:
         result["hit_floor_ratio"] = result["ttft"].pop("hit_floor_ratio")
         result["hit_floors"] = result["ttft"].pop("hit_floors")
     if args.json:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from kvtier.bench.engine_proc import Sample, engine_clock, hook_ms, kvtier_bypassed, phase_ms, time_prompt
 from kvtier.bench.floors import HIT_FLOOR_TARGETS, ColdCopy, FileRead, drop_cached, hit_floor, resident_bytes
 from kvtier.bench.harness import generate
+from kvtier.bench.hit_object import ObjectFloor, object_paths
 from kvtier.bench.loopback import LoopbackFloor, redis_benchmark_get
 from kvtier.bench.services import (
     check_hits,
@@ -164,6 +165,14 @@ def redis(bench: HitBench, redis_url: str) -> dict[str, Any]:
         compared["socket_ms_per_value"] = round(socket_ms, 3)
         compared["socket_gbps"] = round(value / socket_ms / 1e6, 2)
     return {"floor": floor, "redis_benchmark": compared}
+
+
+def object_tier(bench: HitBench, url: str, endpoint: str, above: Sequence[Tier]) -> dict[str, Any]:
+    """The object tier's hits (the tiers above cleared) against their floor: the same objects
+    fetched with obstore's plain GETs, all at once, from a process off the model's core."""
+    paths = [object_paths(files) for files in bench.files]
+    with ObjectFloor(url, endpoint, off_the_model_core()) as floor:
+        return bench.tier("object", lambda i: bench.hit(i, above), lambda i: floor.move(paths[i]))
 
 
 def hit_phases(bench: HitBench) -> dict[str, Any]:

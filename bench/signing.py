@@ -3,7 +3,8 @@
 For payloads of 8 and 32 MiB (a chunk of Llama-3.1-8B's KV is 32 MiB), the best of --repeats
 timings of: the xxh3 checksum (the reference), HMAC-SHA256 through hashlib, and BLAKE3 in keyed
 mode (the construction storage/signing.py uses), on one thread and on two. The ratios to the
-checksum say what signing adds to a Redis or object-tier load on this machine.
+checksum say what signing adds to a Redis or object-tier load on this machine. ``--ttft`` measures
+what it adds to a user's time to first token instead (bench/signing_ttft.py).
 """
 
 from __future__ import annotations
@@ -51,9 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `kvtier bench signing`."""
     parser = argparse.ArgumentParser(prog="kvtier bench signing", description=__doc__)
     parser.add_argument("--repeats", type=int, default=7, help="timings per figure (default 7)")
+    parser.add_argument(
+        "--ttft",
+        action="store_true",
+        help="instead: a Redis and an object hit's TTFT with tier_key set against without it, two "
+        "engines side by side taking turns (bench/signing_ttft.py; minutes)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--ttft: rounds over the prompts (default 3)")
+    parser.add_argument(
+        "--quick", action="store_true", help="--ttft: one prompt, one round, no warm-up (a smoke test)"
+    )
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.repeats < 1 or args.rounds < 1:
+        parser.error(f"--repeats and --rounds must be at least 1, got {args.repeats} and {args.rounds}")
+    if args.ttft:
+        from kvtier.bench import signing_ttft
+
+        if args.quick:
+            figures = signing_ttft.measure(rounds=1, prompts_each=1, warm=False)
+        else:
+            figures = signing_ttft.measure(rounds=args.rounds)
+        print(json.dumps(figures, indent=2))
+        return 0
     out = {}
     for size in SIZES_MIB:
         ms = measure(size, args.repeats)

@@ -21,6 +21,11 @@ For chunk sizes of 2, 8 and 32 MiB it measures, in one run and interleaved repet
   ``slot_vs_private_*`` compares staging into a slot with reading into a private buffer: about 1.0
   means staging adds no copy beyond what the driver forces.
 
+- object: ObjectTier.put (until its upload ends) / get_into against obstore's own put / get of the
+  same blobs on the same S3 server, one at a time and all at once (``bench/storage_object.py``); the
+  server is ``object_url`` / ``object_endpoint`` when set, else a private SeaweedFS when ``weed`` is
+  installed (``--no-object`` skips it).
+
 Every ratio is tier / reference throughput; each top-level ratio is the worst over the chunk sizes.
 A redis-server is started on a free loopback port when ``redis_url`` is empty and one is installed.
 
@@ -50,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.app.settings import KVTierSettings, load_settings, storage_config
-from kvtier.bench import storage_index
+from kvtier.bench import storage_index, storage_object
 from kvtier.runtime.event_loop import new_event_loop
 from kvtier.runtime.handoff import IOThreads
 from kvtier.storage.base import ChunkKey
@@ -386,6 +391,12 @@ def _redis_url(settings: KVTierSettings, want: bool) -> Iterator[tuple[str | Non
 async def _measure(args: argparse.Namespace, settings: KVTierSettings) -> dict[str, Any]:
     base = args.disk_path or settings.disk_path or None
     result: dict[str, Any] = {} if args.index_only else await _measure_throughput(args, settings)
+    if not args.index_only:
+        result["object"] = (
+            await storage_object.measure(settings, [int(s) * MIB for s in args.sizes], args.repeats)
+            if args.object
+            else {"skipped": "disabled by --no-object"}
+        )
     if args.index_files:
         result["disk_index"] = await storage_index.measure(args.index_files, base, args.index_cold)
     return result
@@ -474,6 +485,9 @@ def _table(fig: dict[str, Any]) -> str:
                  "thread_get_ratio"),
         "redis": ("put_gbps", "put_parallel_gbps", "ref_put_gbps", "put_ratio", "get_gbps",
                   "get_parallel_gbps", "ref_get_gbps", "get_ratio", "get_ratio_parallel"),
+        "object": ("put_gbps", "ref_put_gbps", "put_ratio", "put_par_gbps", "ref_put_par_gbps",
+                   "put_ratio_parallel", "get_gbps", "ref_get_gbps", "get_ratio", "get_par_gbps",
+                   "ref_get_par_gbps", "get_ratio_parallel"),
         "arena": ("copy_gbps", "stage_disk_gbps", "stage_ratio", "slot_vs_private_disk",
                   "stage_redis_gbps", "stage_ratio_redis", "slot_vs_private_redis"),
     }  # fmt: skip
@@ -482,12 +496,13 @@ def _table(fig: dict[str, Any]) -> str:
         if "skipped" in section:
             lines.append(f"\n{tier}: skipped ({section['skipped']})")
             continue
-        lines.append(f"\n{tier}" + (f" ({fig.get('redis_source')})" if tier == "redis" else ""))
+        source = {"redis": fig.get("redis_source"), "object": section.get("source")}.get(tier)
+        lines.append(f"\n{tier}" + (f" ({source})" if source else ""))
         present = [c for c in cols if section["sizes"] and c in section["sizes"][0]]
         lines.append(f"{'MiB':>5}" + "".join(f"{c.removesuffix('_gbps'):>22}" for c in present))
         for row in section["sizes"]:
             lines.append(f"{row['size_mib']:>5}" + "".join(f"{row[c]:>22}" for c in present))
-        worst = {k: v for k, v in section.items() if k != "sizes"}
+        worst = {k: v for k, v in section.items() if k not in ("sizes", "source")}
         lines.append("worst: " + ", ".join(f"{k}={v}" for k, v in worst.items()))
     return "\n".join(lines + index)
 
@@ -507,6 +522,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="repetitions, best kept (default 5)")
     parser.add_argument("--disk-path", default="", help="where to write (default: a temp dir)")
     parser.add_argument("--no-redis", dest="redis", action="store_false", help="skip Redis")
+    parser.add_argument("--no-object", dest="object", action="store_false", help="skip the object tier")
     parser.add_argument(
         "--index-files",
         nargs="*",

@@ -19,9 +19,12 @@ from kvtier.bench import hit_floors
 from kvtier.bench.bootstrap import pair_bootstrap_interval, pooled_median_ratio
 from kvtier.bench.engine_proc import EngineProcess, Sample, hook_ms, kvtier_bypassed, phase_ms
 from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
+from kvtier.bench.hit_object import wait_uploaded
 from kvtier.bench.models import BENCH
 from kvtier.bench.progress import note
-from kvtier.bench.services import kvtier_service, redis_server, wait_stored
+from kvtier.bench.seaweed import bench_credentials, seaweed_server
+from kvtier.bench.services import kvtier_service, off_the_model_core, redis_server, wait_stored
+from kvtier.storage.base import Tier
 
 TTFT_CHUNK = 256  # chunk_size of the TTFT benchmarks' engines, in tokens
 
@@ -168,15 +171,31 @@ def _miss_figures(taken: dict[str, list[list[Sample]]]) -> dict[str, Any]:
     }
 
 
+def _tier_hits(bench: Any, kv_bytes: int, redis_url: str | None, store: Any) -> dict[str, Any]:
+    """Each tier's hits against its floor: CPU and disk always, Redis and the object tier where
+    their servers run (store: the SeaweedFS server, or None)."""
+    hits = hit_floors.cpu_and_disk(bench, kv_bytes)
+    if redis_url:
+        redis = hit_floors.redis(bench, redis_url)
+        hits["floors"]["redis"] = redis["floor"]
+        hits["redis_benchmark"] = redis["redis_benchmark"]
+    if store:
+        above = [Tier.CPU, Tier.DISK, *([Tier.REDIS] if redis_url else [])]
+        hits["floors"]["object"] = hit_floors.object_tier(bench, store.url("ttft"), store.endpoint, above)
+    return hits
+
+
 def bench_ttft(
-    model: str, tmp: Path, prompt_tokens: int = 6 * TTFT_CHUNK + 1, repeat: int = 5
-) -> dict[str, Any]:
+    model: str, tmp: Path, prompt_tokens: int = 6 * TTFT_CHUNK + 1, repeat: int = 5, miss: bool = True,
+    quick: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """TTFT (prefill + first token) of a miss and of hits from each tier, against recompute and
     each tier's floor: medians over `repeat` distinct prompts (the miss and its reference over
     several pairs of engines, see bench_miss).
 
     The prompt is whole chunks plus one token, so a full hit leaves exactly one token to compute,
-    as vLLM's own hit of it (the floors' ceiling) does.
+    as vLLM's own hit of it (the floors' ceiling) does. miss=False: the hits engine alone; quick: no
+    warm-up and one round (a smoke test: its figures are not to be reported).
     """
     from kvtier.app.client import ServiceClient
     from kvtier.connector.planning import Geometry, external_tokens
@@ -186,13 +205,20 @@ def bench_ttft(
     kv_bytes = loaded * BENCH.kv_bytes_per_token  # what a full hit loads
     prompts = [make_prompt(9000 + i, prompt_tokens) for i in range(repeat)]
     fresh_all = [make_prompt(9700 + i, prompt_tokens) for i in range(repeat)]
-    warm_up = [make_prompt(600_000 + i, prompt_tokens) for i in range(warm_up_prompts(engine, prompt_tokens))]
+    warm_ups = 0 if quick else warm_up_prompts(engine, prompt_tokens)
+    warm_up = [make_prompt(600_000 + i, prompt_tokens) for i in range(warm_ups)]
 
-    miss = bench_miss(model, tmp, engine, prompt_tokens)
-    with redis_server(tmp) as redis_url:
+    missed = bench_miss(model, tmp, engine, prompt_tokens) if miss else None
+    with (
+        redis_server(tmp) as redis_url,
+        seaweed_server(preexec_fn=off_the_model_core()) as store,
+        bench_credentials() if store else contextlib.nullcontext(),
+    ):
         settings: dict[str, Any] = {"disk_path": tmp / "disk"}
         if redis_url:
             settings["redis_url"] = redis_url
+        if store:
+            settings.update(object_url=store.url("ttft"), object_endpoint=store.endpoint)
         with kvtier_service(tmp / "svc", **settings) as url, ServiceClient(url) as client:
             client.wait_connected(10)
             kv = kv_transfer_config(service_url=url, chunk_size=TTFT_CHUNK)
@@ -204,18 +230,20 @@ def bench_ttft(
                 miss_s, files = hit_floors.store_prompts(
                     llm, client, prompts, tmp / "disk", prompt_tokens // TTFT_CHUNK
                 )
-                bench = hit_floors.HitBench(llm, client, prompts, files, loaded)
-                hits = hit_floors.cpu_and_disk(bench, kv_bytes)
-                if redis_url:
-                    redis = hit_floors.redis(bench, redis_url)
-                    hits["floors"]["redis"] = redis["floor"]
-                    hits["redis_benchmark"] = redis["redis_benchmark"]
+                if store:  # uploads run behind the write queue: none may run under a sample
+                    wait_uploaded(client, len(prompts) * (prompt_tokens // TTFT_CHUNK))
+                bench = hit_floors.HitBench(llm, client, prompts, files, loaded, rounds=1 if quick else 3)
+                hits = _tier_hits(bench, kv_bytes, redis_url, store)
                 # With Redis too: each miss is also written to a redis-server on the same cores.
                 fresh_s = statistics.median(hit_floors.ttft_once(llm, p) for p in fresh_all)
                 hits["hit_tokens"] = client.stats().result(10)["hit_tokens"]
     hits["ttft_miss_ms"] = round(1000 * miss_s, 2)
     hits["ttft_miss_fresh_all_tiers_ms"] = round(1000 * fresh_s, 2)
-    return _ttft_figures(miss, hits, prompt_tokens, kv_bytes)
+    if missed is None:
+        floors = hits.pop("floors")
+        ratios = {tier: figures["ratio"] for tier, figures in floors.items()}
+        return {"prompt_tokens": prompt_tokens, **hits, "hit_floors": floors, "hit_floor_ratio": ratios}
+    return _ttft_figures(missed, hits, prompt_tokens, kv_bytes)
 
 
 def _ttft_figures(

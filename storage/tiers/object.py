@@ -52,6 +52,12 @@ Sleep = Callable[[float], Awaitable[None]]
 _THREADS = 2
 _SLACK_SHIFT = 10  # eviction frees capacity >> this beyond its need, so it runs once per many puts
 _MERGE_STEP = 4096  # listed objects parsed between two turns of the loop
+# A blob's buffer is kept for the next put once its upload succeeded: a fresh buffer of 32 MiB or
+# more is a fresh mapping whose pages fault in as the blob is written, a sizeable share of a put
+# (docs/performance.md, "Object tier throughput"). At most write_bytes >> _SPARE_SHIFT bytes are
+# kept; a buffer up to _SPARE_SLACK larger than a blob fits it.
+_SPARE_SHIFT = 2
+_SPARE_SLACK = 64 << 10
 
 
 class Outcome(enum.Enum):
@@ -64,13 +70,19 @@ class Outcome(enum.Enum):
 
 
 def build_blob(
-    key: ChunkKey, payload: memoryview, covered: Sequence[bytes], signer: Signer | None = None
-) -> bytearray:
+    key: ChunkKey,
+    payload: memoryview,
+    covered: Sequence[bytes],
+    signer: Signer | None = None,
+    spare: bytearray | None = None,
+) -> memoryview:
     """Header (signed with signer), payload and trailer in one buffer (one copy of the payload and
-    the MAC, on a thread)."""
+    the MAC, on a thread): the first bytes of spare when it is large enough, else a new buffer (the
+    view's ``obj``)."""
     trailer = codec.encode_trailer(covered) if covered else b""
     header = codec.encode_for(signer, key, payload, trailer)
-    blob = bytearray(len(header) + payload.nbytes + len(trailer))
+    total = len(header) + payload.nbytes + len(trailer)
+    blob = memoryview(spare if spare is not None and len(spare) >= total else bytearray(total))[:total]
     blob[: len(header)] = header
     end = len(header) + payload.nbytes
     blob[len(header) : end] = payload
@@ -123,6 +135,7 @@ class ObjectTier:
         self._book = PinBook()
         self._uploads: dict[ChunkKey, asyncio.Task[None]] = {}
         self._inflight = 0  # bytes of uploads in flight
+        self._spares: list[bytearray] = []  # buffers of finished uploads, for the next blobs
         self._background: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
         self._listed = asyncio.Event()  # set once a LIST of the whole prefix has been reconciled
@@ -308,10 +321,12 @@ class ObjectTier:
             self._stats.count_error("slow")
             return False
         self._inflight += size
+        spare = self._take_spare(size)
         try:
-            blob = await run_to_end(self._threads, build_blob, key, payload, covered, self.signer)
+            blob = await run_to_end(self._threads, build_blob, key, payload, covered, self.signer, spare)
         except Exception as exc:
             self._inflight -= size
+            self._keep_spare(spare)
             log.error("object tier: building the blob of %s failed: %r", key, exc)
             self._stats.count_error("encode")
             return False
@@ -319,26 +334,44 @@ class ObjectTier:
         self._uploads[key] = task
         return True
 
-    async def _upload(self, key: ChunkKey, blob: bytearray, size: int, covered: Sequence[bytes]) -> None:
+    async def _upload(self, key: ChunkKey, blob: memoryview, size: int, covered: Sequence[bytes]) -> None:
         ok = False
         try:
             ok = await self._call(lambda: self._put_blob(key, blob), False, admitted=True)
         finally:
             self._inflight -= size
             del self._uploads[key]
-        if not ok:
+        if not ok:  # a call cut short may still be read by the client: its buffer is not reused
             return
+        self._keep_spare(blob.obj)
         self._book.forget(key)
-        self.index.stored(key, len(blob))
+        self.index.stored(key, blob.nbytes)
         self._stats.stores += 1
-        self._stats.bytes_written += len(blob)
+        self._stats.bytes_written += blob.nbytes
         if self.listener is not None:
             self.listener.stored(Tier.OBJECT, [key], [covered])
         await self._fit()
 
-    async def _put_blob(self, key: ChunkKey, blob: bytearray) -> bool:
+    async def _put_blob(self, key: ChunkKey, blob: memoryview) -> bool:
         await self.client.put(object_path(key), blob)
         return True
+
+    def _take_spare(self, size: int) -> bytearray | None:
+        """A kept buffer for a blob of at least size bytes (header and payload), or None."""
+        for i, spare in enumerate(self._spares):
+            if size <= len(spare) <= size + _SPARE_SLACK:
+                return self._spares.pop(i)
+        return None
+
+    def _keep_spare(self, buffer: object) -> None:
+        """Keep a blob's buffer for a later put, within write_bytes >> _SPARE_SHIFT bytes."""
+        if not isinstance(buffer, bytearray):
+            return
+        kept = sum(len(b) for b in self._spares)
+        if kept + len(buffer) <= self.config.write_bytes >> _SPARE_SHIFT:
+            self._spares.append(buffer)
+        elif self._spares:  # the newest size wins: the chunk size may have changed
+            self._spares.pop(0)
 
     async def _fit(self) -> None:
         """Delete the least recently used unpinned objects until the index fits capacity."""
