@@ -51,6 +51,12 @@ TINY = ModelShape()
 BENCH = ModelShape(
     num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=8, head_dim=64, intermediate_size=1024
 )
+# Long contexts: each layer's KV per token is Llama-3-8B's and -70B's (8 KV heads x 128, 4 KiB in
+# bf16); two thin layers keep a 32k-token prefill to tens of seconds on the CPU build.
+LONG = ModelShape(
+    num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=8, head_dim=128, intermediate_size=512,
+    max_position_embeddings=131072,
+)  # fmt: skip
 
 
 def _corpus() -> list[str]:

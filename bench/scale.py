@@ -1,7 +1,9 @@
-"""`kvtier bench scale`: how kvtier's costs grow with the size of its tiers and with the engines
-sharing one service (``bench/scale_tiers.py``, ``bench/scale_service.py``).
+"""`kvtier bench scale`: how kvtier's costs grow with the size of its tiers, with the engines
+sharing one service and with the context (``bench/scale_tiers.py``, ``bench/scale_service.py``,
+``bench/scale_context.py``).
 
-``kvtier bench scale`` runs both parts; ``kvtier bench scale tiers`` or ``... service`` one of them.
+``kvtier bench scale`` runs every part; ``kvtier bench scale tiers``, ``... service`` or
+``... context`` one of them.
 ``--quick`` runs each at small sizes (seconds, for a test); the figures go to ``--out`` (default
 ``kvtier-scale.json`` in the current directory) and a summary to stdout.
 """
@@ -15,9 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.bench import scale_service, scale_tiers
+from kvtier.bench import scale_context, scale_service, scale_tiers
 
-PARTS = ("tiers", "service")
+PARTS = ("tiers", "service", "context")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -60,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=_ints, default=None, help="connection counts (default 1,4,16,64)")
     p.add_argument("--seconds", type=float, default=None, help="seconds per service phase (default 3)")
     p.add_argument("--rate", type=float, default=200.0, help="paced requests per second, all connections")
+    p.add_argument(
+        "--contexts", type=_ints, default=None, help="prompt tokens (default 1024,4096,16384,32768,65536)"
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin the service and the clients to CPUs")
     return p
 
@@ -80,6 +85,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seconds = args.seconds or (0.3 if quick else 3.0)
         pin = False if args.no_pin else None
         out["service"] = scale_service.measure(connections, seconds, repeats, args.rate, pin)
+    if args.part in ("context", "all"):
+        contexts = args.contexts or (scale_context.QUICK_CONTEXTS if quick else scale_context.CONTEXTS)
+        rounds = 1 if quick else scale_context.ROUNDS
+        out["context"] = scale_context.measure(contexts, repeats, rounds)
     return out
 
 
@@ -109,6 +118,24 @@ def summary(fig: dict[str, Any]) -> list[str]:
                     f" ({f['service_cores']['median']:.2f} cores)"
                 )
         lines.append(f"paced lookup p99 / 1 connection: {service['paced_lookup_p99_over_one_connection']}")
+    context = fig.get("context")
+    if context:
+        for name, by_tokens in context["tiers"].items():
+            for n, f in by_tokens.items():
+                low, high = f["ratio"]["spread"]
+                lines.append(
+                    f"context {name:>5} {n:>6} tokens: hit {f['hit_ms']['median']:.1f} ms, floor"
+                    f" {f['floor_ms']['median']:.1f} ms, hit/floor {f['ratio']['median']:.3f}"
+                    f" ({low:.3f}-{high:.3f})"
+                )
+        lines.append(f"context hit/floor longest / first: {context['longest_over_first']}")
+        for name, fit in context["slopes"].items():
+            lines.append(
+                f"context {name:>5} slopes: hit/floor {fit['ratio_per_doubling']:+.3f} per doubling;"
+                f" ms per 1k tokens hit {fit['hit_ms_per_1k_tokens']:.2f},"
+                f" floor {fit['floor_ms_per_1k_tokens']:.2f}"
+                f" (ratio {fit['hit_slope_over_floor_slope']})"
+            )
     return lines
 
 

@@ -1,5 +1,6 @@
-"""`kvtier bench scale --quick` runs end to end through the CLI: every tier at each small size and
-the service at each connection count, with the report's shape and counts as documented."""
+"""`kvtier bench scale --quick` runs end to end through the CLI: every tier at each small size, the
+service at each connection count and each tier's hit at each short context, with the report's shape
+and counts as documented."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 import pytest
 
 from kvtier.app import cli
-from kvtier.bench import scale_service, scale_tiers
+from kvtier.bench import scale_context, scale_service, scale_tiers
 from tests.support.skips import missing
 
 IN_MEMORY = ("dict_floor", "cpu", "disk", "object_index")
@@ -17,7 +18,9 @@ COSTS = ("lookup_us", "lookup_spread_us", "commit_us", "commit_evict_us", "evict
 
 
 @pytest.mark.redis
-def test_quick_scale_benchmark_reports_every_tier_size_and_connection_count(tmp_path, monkeypatch) -> None:
+def test_quick_scale_benchmark_reports_every_tier_size_connection_count_and_context(
+    tmp_path, monkeypatch
+) -> None:
     if shutil.which("redis-server") is None:
         missing("redis-server")
     monkeypatch.chdir(tmp_path)
@@ -60,3 +63,21 @@ def test_quick_scale_benchmark_reports_every_tier_size_and_connection_count(tmp_
             assert 0 < f["lookup_p50_us"]["median"] <= f["lookup_p99_us"]["median"]
     assert list(service["paced_lookup_p99_over_one_connection"]) == counts
     assert service["paced_lookup_p99_over_one_connection"]["1"] == 1.0
+
+    context = fig["context"]
+    contexts = [str(n) for n in scale_context.QUICK_CONTEXTS]
+    assert context["contexts"] == list(scale_context.QUICK_CONTEXTS)
+    assert context["repeats"] == 1 and context["rounds"] == 1
+    assert context["kv_bytes_per_token"] == 2 * 2 * 8 * 128 * 2  # two layers of 8 KV heads x 128, bf16
+    assert list(context["miss_ttft_ms"]) == contexts == list(context["cpu_hit_by_phase"])
+    # Each tier's hits were checked, run by run, to be exactly its own and every stored token.
+    assert sorted(context["tiers"]) == ["cpu", "disk", "redis"]
+    for name, by_tokens in context["tiers"].items():
+        assert list(by_tokens) == contexts, name
+        for n, f in by_tokens.items():
+            assert f["ratio"]["runs"] == [f["ratio"]["median"]] and f["ratio"]["median"] > 0, (name, n)
+            assert f["floor_ms"]["median"] >= f["ceiling_ms"], (name, n)
+        assert context["hit_floor_ratio"][name] == {n: f["ratio"]["median"] for n, f in by_tokens.items()}
+    assert sorted(context["longest_over_first"]) == sorted(context["slopes"]) == sorted(context["tiers"])
+    for n, f in context["cpu_hit_by_phase"].items():
+        assert f["kvtier_ms_by_hook"]["start_load_kv"] > 0, n  # the hit's load ran in the worker
