@@ -2,15 +2,17 @@
 on any store of the S3 API, shared by every node of a fleet; below Redis.
 
 Lookups never wait on the store: ``contains_many`` reads the index (``object_index``), loaded by a
-LIST at start and refreshed by one every ``refresh_period`` (how stale it may be: there). Loads
-(``get_into``) fetch the object, verify header and checksum and copy the payload into the caller's
-slot on this tier's threads (with tier keys, the MAC too: codec.py, "Signed blobs"; a forged
-object is counted 'forged' and logged at WARNING); a missing, corrupt, forged, truncated or foreign
-object is a counted miss, unindexed, and (but for a missing one) deleted. Writes (``put``) never
-hold a save: the blob (header, payload, trailer) is copied out of the slot on a thread and uploaded
-in the background, so the slot is free again at once; ``write_bytes`` bounds the bytes of uploads in
-flight, and a put beyond it is dropped and counted ('slow'), as is a put while the breaker is open. A
-chunk the index already holds (written by this node or listed from another) is not uploaded again.
+LIST at start and refreshed by one every ``refresh_period`` (how stale it may be: there); the
+objects a LIST finds are announced to the listener with what their trailers say they cover, read in
+the background (``object_announce``). Loads (``get_into``) fetch the object, verify header and
+checksum and copy the payload into the caller's slot on this tier's threads (with tier keys, the MAC
+too: codec.py, "Signed blobs"; a forged object is counted 'forged' and logged at WARNING); a
+missing, corrupt, forged, truncated or foreign object is a counted miss, unindexed, and (but for a
+missing one) deleted. Writes (``put``) never hold a save: the blob (header, payload, trailer) is
+copied out of the slot on a thread and uploaded in the background, so the slot is free again at
+once; ``write_bytes`` bounds the bytes of uploads in flight, and a put beyond it is dropped and
+counted ('slow'), as is a put while the breaker is open. A chunk the index already holds (written by
+this node or listed from another) is not uploaded again.
 
 Failures: every call runs under ``timeout`` (obstore's retries of 5xx, SlowDown and dropped
 connections, with backoff, inside it); a timeout or an unreachable store trips the circuit breaker,
@@ -42,6 +44,7 @@ from kvtier.storage.base import BlobError, ChunkKey, Tier, TierListener, TierSta
 from kvtier.storage.breaker import CircuitBreaker
 from kvtier.storage.config import ObjectConfig
 from kvtier.storage.signing import Signer
+from kvtier.storage.tiers.object_announce import ListedAnnouncer
 from kvtier.storage.tiers.object_client import Buffer, ObjectClient, failure_kind, is_missing
 from kvtier.storage.tiers.object_index import ObjectIndex, object_path, order, parse_path
 from kvtier.storage.tiers.pins import PinBook
@@ -140,6 +143,9 @@ class ObjectTier:
         self._refresher: asyncio.Task[None] | None = None
         self._listed = asyncio.Event()  # set once a LIST of the whole prefix has been reconciled
         self._stats = TierStats(capacity=config.capacity, loading=True)
+        self._announcer = ListedAnnouncer(
+            self.index, self._fetch_range, self._announce_listed, self._stats, signer
+        )
         self._threads = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvtier-object")
 
     # ------------------------------------------------------------------------------------------ guard
@@ -241,13 +247,23 @@ class ObjectTier:
         return True
 
     def _announce(self, added: list[bytes], gone: list[bytes]) -> None:
+        """Announce the keys a LIST found gone now, and those it found new once their trailers are
+        read (object_announce: in the background, never in a lookup's way)."""
         if self.listener is None:
             return
-        key_of = self.index.ids.key_of
-        if added:
-            self.listener.stored(Tier.OBJECT, [key_of(c) for c in added], [()] * len(added))
         if gone:
-            self.listener.removed(Tier.OBJECT, [key_of(c) for c in gone])
+            self.listener.removed(Tier.OBJECT, [self.index.ids.key_of(c) for c in gone])
+        if added:
+            self._announcer.add(added)
+
+    def _announce_listed(self, key: ChunkKey, covered: Sequence[bytes]) -> None:
+        if self.listener is not None:
+            self.listener.stored(Tier.OBJECT, [key], [covered])
+
+    @property
+    def announcing(self) -> int:
+        """Objects a LIST found whose announcement waits for their trailer's read."""
+        return self._announcer.pending
 
     # ------------------------------------------------------------------------------------------ lookups
     async def contains_many(self, keys: list[ChunkKey]) -> list[bool]:
@@ -285,14 +301,18 @@ class ObjectTier:
                 await self._call(lambda: self._delete_paths([object_path(key)]), False)
         return False
 
-    async def _fetch(self, path: str) -> Buffer | None:
-        """The object's bytes, or None when it is not there."""
+    async def _fetch(self, path: str, span: tuple[int, int] | None = None) -> Buffer | None:
+        """The object's bytes (those of span, start to end, when given), or None when it is not there."""
         try:
-            return await self.client.get(path)
+            return await (self.client.get(path) if span is None else self.client.get_range(path, *span))
         except FileNotFoundError as exc:
             if is_missing(exc):
                 return None
             raise
+
+    async def _fetch_range(self, path: str, start: int, end: int) -> Buffer | bool | None:
+        """One ranged GET under the breaker and timeout: the bytes, None when gone, False on failure."""
+        return await self._call(lambda: self._fetch(path, (start, end)), False)
 
     async def _delete_paths(self, paths: list[str]) -> bool:
         await self.client.delete(paths)
@@ -462,6 +482,7 @@ class ObjectTier:
         if self._refresher is not None:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
+        await self._announcer.close()
         await self.settle()
         await asyncio.get_running_loop().run_in_executor(None, self._threads.shutdown, True)
 

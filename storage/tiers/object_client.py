@@ -169,6 +169,11 @@ class ObjectClient:
         data: Buffer = await result.bytes_async()  # type: ignore[assignment]  # a Buffer
         return data
 
+    async def get_range(self, path: str, start: int, end: int) -> Buffer:
+        """Bytes start to end (exclusive) of the object, in one ranged GET."""
+        data: Buffer = await obstore.get_range_async(self._store, path, start=start, end=end)  # type: ignore[assignment]  # a Buffer
+        return data
+
     async def put(self, path: str, blob: Buffer) -> None:
         """Upload one blob; multipart in part_size parts when it is larger than one part."""
         multipart = memoryview(blob).nbytes > self.part_size

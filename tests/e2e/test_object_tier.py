@@ -173,8 +173,8 @@ def test_a_node_hits_what_another_stored_through_the_bucket_alone(
         try:
             assert wait_until(lambda: not b.stats()["tiers"]["object"]["loading"], 30)
             view.catch_up()  # the LIST's batches went out before this subscriber joined
-            # Node B's LIST at start found them: announced by each chunk's last block hash.
-            listed = {blocks[-1] for blocks in chunks}
+            # Node B's LIST at start found them: announced in full from their trailers, as node A did.
+            listed = uploaded
             assert wait_until(lambda: held_objects(view, listed), 30), (view.held.get(OBJECT), listed)
             with running_engine(tiny_model, kv_transfer_config(service_url=b.url, chunk_size=CHUNK)) as llm:
                 got = generate_each(llm, PROMPTS, MAX_TOKENS)
