@@ -10,7 +10,6 @@ docs/performance.md ("Connector benchmark") says what each figure means and reco
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -156,9 +155,20 @@ def bench_scheduler_runs(
     return {**taken[len(taken) // 2], "fractions": [fig["scheduler_overhead_fraction"] for fig in taken]}
 
 
-def _env_default(name: str, value: str) -> contextlib.AbstractContextManager[None]:
-    """name=value in os.environ while inside, unless name is set already."""
-    return environment({} if name in os.environ else {name: value})
+def _defaults(tmp: str) -> dict[str, str]:
+    """The variables the benchmark sets for its engines, each only where the caller has not."""
+    wanted = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Engines (and this process: torch reads it at its first allocation) keep weights and KV
+        # cache on transparent huge pages where the kernel allows, which steadies their speed.
+        "THP_MEM_ALLOC_ENABLE": "1",
+        # vLLM logs to stdout unless told otherwise; --json promises one JSON object there.
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        # vLLM's engines leave their ZeroMQ socket files behind (in /tmp by default): here they go
+        # with the benchmark's directory.
+        "VLLM_RPC_BASE_PATH": tmp,
+    }
+    return {name: value for name, value in wanted.items() if name not in os.environ}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -185,19 +195,12 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every part and return the figures."""
     args = _parser().parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # Engines (and this process: torch reads it at its first allocation) keep weights and KV cache
-    # on transparent huge pages where the kernel allows, which steadies engine-to-engine speed.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    # vLLM logs to stdout unless told otherwise; --json promises one JSON object there.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    result: dict[str, Any] = {} if args.hits_only else {"copy": bench_copy(1 if args.quick else 7)}
-    with (
-        tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp,
-        # vLLM's engines leave their ZeroMQ socket files behind (in /tmp by default): here they go
-        # with the benchmark's directory.
-        _env_default("VLLM_RPC_BASE_PATH", tmp),
-    ):
+    result: dict[str, Any] = {}
+    # The variables hold while the benchmark runs and are put back after, so a caller (the tests
+    # run it in their own process) keeps its environment.
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp, environment(_defaults(tmp)):
+        if not args.hits_only:
+            result["copy"] = bench_copy(1 if args.quick else 7)
         work = Path(tmp)
         tiny = str(build_model(work / "tiny", TINY))
         if args.hits_only:

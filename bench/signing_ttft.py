@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from kvtier.bench import hit_floors
-from kvtier.bench.engine_proc import kvtier_bypassed, steady_malloc
+from kvtier.bench.engine_proc import environment, kvtier_bypassed, steady_malloc
 from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.hit_object import wait_uploaded
 from kvtier.bench.models import BENCH, build_model
@@ -211,12 +211,13 @@ def measure(rounds: int = 3, prompts_each: int = 5, warm: bool = True) -> dict[s
     warm=False skips the engines' warm-up (a smoke test's figures are not to be reported)."""
     from kvtier.runtime.affinity import engine_cpus
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "THP_MEM_ALLOC_ENABLE": "1"}
+    wanted["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout is the report's
     prompts = [make_prompt(9000 + i, 6 * TTFT_CHUNK + 1) for i in range(prompts_each)]
     cpus = engine_cpus()
     with (
+        # Put back on the way out: a caller (the tests run it in their own process) keeps its own.
+        environment({k: v for k, v in wanted.items() if k not in os.environ}),
         tempfile.TemporaryDirectory(prefix="kvtier-bench-signing-") as name,
         seaweed_server(preexec_fn=off_the_model_core()) as store,
         bench_credentials() if store else contextlib.nullcontext(),

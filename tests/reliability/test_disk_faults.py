@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.harness import generate, generate_each, kv_transfer_config, running_engine
+from kvtier.storage import codec
 from tests.e2e.oracle import assert_same_outputs
 from tests.reliability.conftest import (
     CHUNK,
@@ -155,10 +156,20 @@ def _leading(hashes: list[bytes], stored: set[str]) -> int:
     return next((i for i, h in enumerate(hashes) if h.hex() not in stored), len(hashes))
 
 
-def _flip(path: Path, offset_from_end: int) -> None:
+def _flip(path: Path, offset: int) -> None:
+    """Flip the lowest bit of the file's byte at offset."""
     data = bytearray(path.read_bytes())
-    data[len(data) - offset_from_end] ^= 0x01
+    data[offset] ^= 0x01
     path.write_bytes(bytes(data))
+
+
+def _middle_of_payload(path: Path) -> int:
+    """The offset of the payload's middle byte: after the header, well before the trailer (which a
+    load never reads, so a flip there would not be a fault of the KV)."""
+    data = path.read_bytes()
+    header = codec.parse_header(data)
+    start = len(data) - header.trailer_len - header.payload_len
+    return start + header.payload_len // 2
 
 
 def test_tampered_chunk_files_are_counted_never_served(
@@ -182,9 +193,9 @@ def test_tampered_chunk_files_are_counted_never_served(
         for path in truncated:
             os.truncate(path, path.stat().st_size // 2)
         for path in flipped:
-            _flip(path, 100)  # one bit of the payload: only the checksum can tell
+            _flip(path, _middle_of_payload(path))  # one bit of the KV: only the checksum can tell
         for path in header:
-            _flip(path, path.stat().st_size)  # the first byte (magic)
+            _flip(path, 0)  # the first byte (magic)
         bad = {p: p.read_bytes() for p in [*truncated, *flipped, *header]}
         intact = total - len(deleted) - len(truncated) - len(flipped) - len(header)
         forget_local(llm)
