@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.engine_core import run_engine_core
-from kvtier.bench.engine_proc import environment
+from kvtier.bench.environ import environment
 from kvtier.bench.floors import HIT_FLOOR_TARGETS
 from kvtier.bench.harness import kv_transfer_config
 from kvtier.bench.models import BENCH, TINY, build_model

@@ -17,12 +17,13 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
+from kvtier.bench.environ import environment
 from kvtier.bench.harness import generate, make_prompt, running_engine
 from kvtier.bench.introspect import model_runner, scheduler_connector, worker_connector
 from kvtier.bench.phases import SCHEDULER_HOOKS, WORKER_HOOKS, PhaseClock
@@ -35,22 +36,6 @@ SAMPLE_TIMEOUT_S = 300.0
 # forward's activations land there differs from one engine to the next: some engines re-fault them on
 # every prompt. Both engines of every comparison keep their heap (docs/performance.md has the figures).
 STEADY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """These variables set in os.environ while inside (processes started there inherit them); each
-    is put back as it was, or removed, on the way out."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def steady_malloc() -> contextlib.AbstractContextManager[None]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtier.bench.demo import free_port
+from kvtier.bench.environ import environment
 
 BUCKET = "kvtier-bench"
 START_TIMEOUT_S = 60.0
@@ -145,17 +146,7 @@ BENCH_AWS_ENV = {
 }
 
 
-@contextlib.contextmanager
-def bench_credentials() -> Iterator[None]:
+def bench_credentials() -> contextlib.AbstractContextManager[None]:
     """BENCH_AWS_ENV in os.environ while inside (obstore reads the variables itself); each variable
     is put back as it was, or removed, on the way out."""
-    saved = {name: os.environ.get(name) for name in BENCH_AWS_ENV}
-    os.environ.update(BENCH_AWS_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment(BENCH_AWS_ENV)

@@ -32,7 +32,8 @@ from types import TracebackType
 from typing import Any
 
 from kvtier.bench import hit_floors
-from kvtier.bench.engine_proc import environment, kvtier_bypassed, steady_malloc
+from kvtier.bench.engine_proc import kvtier_bypassed, steady_malloc
+from kvtier.bench.environ import environment
 from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.hit_object import wait_uploaded
 from kvtier.bench.models import BENCH, build_model

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.engine_proc import environment
+from kvtier.bench.environ import environment
 
 MARK_ENV = "KVT_LEAK_SESSION"  # not KVTIER_*: unknown KVTIER_ variables are configuration errors
 LEAK_GRACE_S = 10.0  # a shutdown may drain disk/Redis writes (5 s) after a 2 s call grace
