@@ -17,11 +17,11 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from kvtier.bench.environ import environment
 from kvtier.bench.harness import generate, make_prompt, running_engine
@@ -155,27 +155,37 @@ def _serve(conn: Connection, model: str, kv_config: dict[str, Any] | None, engin
         conn.close()
 
 
-class EngineProcess:
-    """An engine started in a spawned child; ``ttft(prompt)`` times one prompt there (prefill + one
-    token). Use it as a context manager: the child is shut down and reaped on every path."""
+class ChildEngine:
+    """An engine served by target(conn, *args) in a spawned child and asked over a pipe: the child
+    answers once when its engine is ready, then each request, with (kind, value) or ("error",
+    traceback). Use it as a context manager: the child is shut down and reaped on every path."""
 
-    def __init__(self, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
-                 cpus: frozenset[int]) -> None:  # fmt: skip
+    start_timeout_s = START_TIMEOUT_S  # for the first answer (engine started; a subclass may wait longer)
+    sample_timeout_s = SAMPLE_TIMEOUT_S  # for each answer after it
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model, kv_config, engine, cpus), daemon=True)
+        self._proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         with steady_malloc():  # read by glibc when the child starts
             self._proc.start()
         child.close()
         self._ready = False
 
     def wait_ready(self) -> None:
-        """Block until the engine has started and warmed up (several can start at once)."""
+        """Block until the child's first answer (its engine started; several can start at once)."""
         if not self._ready:
-            self._answer(START_TIMEOUT_S)
+            self.answer(self.start_timeout_s)
             self._ready = True
 
-    def _answer(self, timeout: float) -> Any:
+    def ask(self, request: tuple[Any, ...]) -> Any:
+        """Send request once the child is ready; its answer's value."""
+        self.wait_ready()
+        self._conn.send(request)
+        return self.answer(self.sample_timeout_s)
+
+    def answer(self, timeout: float) -> Any:
+        """The value of the child's next answer; raises what the child raised, or if it died."""
         if not self._conn.poll(timeout):
             raise TimeoutError(f"engine process {self._proc.pid} did not answer within {timeout:.0f} s")
         try:
@@ -188,35 +198,40 @@ class EngineProcess:
             raise RuntimeError(f"engine process failed:\n{value}")
         return value
 
-    def ttft(self, prompt: list[int], bypass: bool = False) -> float:
-        """Seconds to prefill prompt and return its first token; bypass: kvtier answers "nothing"."""
-        return self.sample(prompt, bypass).ttft
-
-    def sample(self, prompt: list[int], bypass: bool = False) -> Sample:
-        """ttft() with the forward's and kvtier's shares of it."""
-        self.wait_ready()
-        self._conn.send(("ttft", prompt, bypass))
-        sample = self._answer(SAMPLE_TIMEOUT_S)
-        if not isinstance(sample, Sample):
-            raise RuntimeError(f"engine process {self._proc.pid} answered {sample!r}, not a Sample")
-        return sample
-
     def close(self) -> None:
         """Shut the engine down and reap the child (killed if it does not exit in time)."""
         if self._proc.is_alive():
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 self._conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
             self._proc.join(60)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(10)
         self._conn.close()
 
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:  # fmt: skip
         self.close()
+
+
+class EngineProcess(ChildEngine):
+    """An engine started in a spawned child; ``ttft(prompt)`` times one prompt there (prefill + one
+    token)."""
+
+    def __init__(self, model: str, kv_config: dict[str, Any] | None, engine: dict[str, Any],
+                 cpus: frozenset[int]) -> None:  # fmt: skip
+        super().__init__(_serve, model, kv_config, engine, cpus)
+
+    def ttft(self, prompt: list[int], bypass: bool = False) -> float:
+        """Seconds to prefill prompt and return its first token; bypass: kvtier answers "nothing"."""
+        return self.sample(prompt, bypass).ttft
+
+    def sample(self, prompt: list[int], bypass: bool = False) -> Sample:
+        """ttft() with the forward's and kvtier's shares of it."""
+        sample = self.ask(("ttft", prompt, bypass))
+        if not isinstance(sample, Sample):
+            raise RuntimeError(f"engine process {self._proc.pid} answered {sample!r}, not a Sample")
+        return sample

@@ -20,7 +20,6 @@ what the load itself took.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import statistics
 import tempfile
@@ -28,11 +27,10 @@ import traceback
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from kvtier.bench import hit_floors
-from kvtier.bench.engine_proc import kvtier_bypassed, steady_malloc
+from kvtier.bench.engine_proc import ChildEngine, kvtier_bypassed
 from kvtier.bench.environ import environment
 from kvtier.bench.harness import generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.hit_object import wait_uploaded
@@ -90,64 +88,23 @@ def _serve(conn: Connection, model: str, url: str, disk: str, prompts: list[list
         conn.close()
 
 
-class HitEngine:
+class HitEngine(ChildEngine):
     """An engine with kvtier in a spawned child that stored the prompts; ``hit`` and ``ceiling``
-    time one prompt there. A context manager: the child is ended and reaped on every path."""
+    time one prompt there."""
+
+    start_timeout_s = START_TIMEOUT_S  # it also stores every prompt before it answers
+    sample_timeout_s = SAMPLE_TIMEOUT_S
 
     def __init__(self, *args: Any) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, *args), daemon=True)
-        with steady_malloc():
-            self._proc.start()
-        child.close()
-        self._ready = False
-
-    def wait_ready(self) -> None:
-        """Block until the engine has stored the prompts."""
-        if not self._ready:
-            self._answer(START_TIMEOUT_S)
-            self._ready = True
-
-    def _answer(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"engine process {self._proc.pid} did not answer within {timeout:.0f} s")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self._proc.join(10)
-            raise RuntimeError(f"engine process {self._proc.pid} died ({self._proc.exitcode})") from None
-        if kind == "error":
-            raise RuntimeError(f"engine process failed:\n{value}")
-        return value
+        super().__init__(_serve, *args)
 
     def hit(self, i: int, tier: str) -> float:
         """Seconds of a hit of prompt i from tier (the tiers above it emptied first)."""
-        self._conn.send(("hit", i, tier))
-        return float(self._answer(SAMPLE_TIMEOUT_S))
+        return float(self.ask(("hit", i, tier)))
 
     def ceiling(self, i: int) -> float:
         """Seconds of vLLM's own hit of prompt i."""
-        self._conn.send(("ceiling", i, ""))
-        return float(self._answer(SAMPLE_TIMEOUT_S))
-
-    def close(self) -> None:
-        """Shut the engine down and reap the child (killed if it does not exit in time)."""
-        if self._proc.is_alive():
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(None)
-            self._proc.join(60)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(10)
-        self._conn.close()
-
-    def __enter__(self) -> HitEngine:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
-        self.close()
+        return float(self.ask(("ceiling", i, "")))
 
 
 def _figures(samples: dict[tuple[str, str, str], list[float]], tiers: list[str]) -> dict[str, Any]:
