@@ -152,7 +152,7 @@ def _services(tmp: Path, store: ObjectStore | None) -> Iterator[dict[str, str]]:
             if redis_url is None:
                 raise RuntimeError("redis-server is not installed: the signed tiers cannot be measured")
             # A Redis call of over 1 s (the default timeout) trips the tier's breaker and the rest of
-            # a hit comes from the object tier: seen on this 2-core VM under other sessions' load.
+            # a hit comes from the object tier, which the hit check would then refuse.
             settings: dict[str, Any] = {
                 "disk_path": tmp / f"disk-{variant}", "redis_url": redis_url, "redis_timeout": 5.0,
             }  # fmt: skip
