@@ -10,10 +10,7 @@ gone by a lookup's EXISTS and by a read, as docs/events.md guarantees) and a cle
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import socket
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from vllm.distributed import kv_events as vllm_events
 
 from kvtier.app.events import MEDIUM, external_hash
 from kvtier.app.events_publisher import END_SEQ
+from kvtier.bench.demo import free_port
 from kvtier.bench.harness import BLOCK_SIZE, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.introspect import scheduler_connector
 from kvtier.storage import codec
@@ -35,6 +33,7 @@ from kvtier.storage.keys import REDIS_PREFIX, disk_relpath, redis_key
 from tests.app import wait_until
 from tests.e2e.oracle import forget_local_cache, wait_written
 from tests.e2e.service import RunningService, running_service
+from tests.support.events_example import load_subscriber_example
 from tests.support.indexer import Indexer, engine_key
 from tests.support.redis_server import RedisServer
 
@@ -44,25 +43,9 @@ PROMPTS = [
     make_prompt(300 + i, 270) for i in range(5)
 ]  # 4 chunks each: 20 chunks, more than the CPU tier holds
 REDIS_PROMPTS = [make_prompt(400 + i, 270) for i in range(3)]  # 4 chunks each
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "kv_events_subscriber.py"
 MODEL = "tiny"
 TOPIC = f"kv@pod-a@{MODEL}"  # llm-d's form: the pod credited with the blocks, the model hashed into keys
 WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "cpu_kvtier": 0.8, "disk": 0.6, "redis": 0.5, "object": 0.4}
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("kv_events_subscriber", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its structs' annotations are resolved in its namespace
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -130,9 +113,9 @@ def settled(view: Any, expected: dict[str, set[bytes]]) -> bool:
 def test_a_subscriber_rebuilds_every_tier_through_eviction_corruption_clear_and_restart(
     tiny_model: str, tmp_path: Path
 ) -> None:
-    mod = _example()
+    mod = load_subscriber_example()
     events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    admin = _free_port()
+    admin = free_port()
     settings = dict(
         disk_path=tmp_path / "disk",
         cpu_size="1MiB",
@@ -309,7 +292,7 @@ def redis_settled(view: Any, truth: set[bytes]) -> bool:
 def test_a_subscriber_rebuilds_the_redis_tier_through_a_delete_keys_lost_behind_kvtiers_back_and_a_clear(
     tiny_model: str, redis_server_fn: RedisServer, tmp_path: Path
 ) -> None:
-    mod = _example()
+    mod = load_subscriber_example()
     events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
     settings = dict(
         redis_url=redis_server_fn.url, events_url=events, events_replay_url=replay, events_hash_format="bytes"

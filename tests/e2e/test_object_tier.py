@@ -6,9 +6,6 @@ service and of the connector show the tier."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import socket
-import sys
 import urllib.request
 import uuid
 from dataclasses import asdict
@@ -20,6 +17,7 @@ import pytest
 
 from kvtier.app import cli
 from kvtier.app.events import MEDIUM
+from kvtier.bench.demo import free_port
 from kvtier.bench.harness import Outputs, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.introspect import scheduler_connector
 from kvtier.connector.stats import merge_counts
@@ -29,6 +27,7 @@ from kvtier.storage.tiers.object_client import build_store
 from tests.app import wait_until
 from tests.e2e.oracle import assert_same_outputs, expected_external, wait_written
 from tests.e2e.service import RunningService, running_service
+from tests.support.events_example import load_subscriber_example
 from tests.support.object_store import BUCKET, SeaweedServer
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +37,6 @@ PROMPTS = [make_prompt(500, 330), make_prompt(501, 270)]
 STORED = sum(len(p) // CHUNK for p in PROMPTS)  # 5 + 4 full chunks
 HIT = sum(expected_external(len(p) // CHUNK, 0, len(p), CHUNK) for p in PROMPTS)
 OBJECT = MEDIUM[Tier.OBJECT]
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "kv_events_subscriber.py"
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +56,6 @@ def bucket(s3_server: SeaweedServer, aws_env_module: dict[str, str]) -> dict[str
     }
 
 
-def _subscriber() -> Any:
-    spec = importlib.util.spec_from_file_location("kv_events_subscriber", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its structs' annotations are resolved in its namespace
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def node(tmp: Path, name: str, bucket: dict[str, Any]) -> dict[str, Any]:
     """A node's settings: its own runtime dir, disk tier, events sockets and admin port."""
     return dict(
@@ -80,7 +63,7 @@ def node(tmp: Path, name: str, bucket: dict[str, Any]) -> dict[str, Any]:
         events_url=f"ipc://{tmp}/{name}-events",
         events_replay_url=f"ipc://{tmp}/{name}-replay",
         events_hash_format="bytes",
-        admin_port=_free_port(),
+        admin_port=free_port(),
         **bucket,
     )
 
@@ -149,7 +132,7 @@ def test_a_node_hits_what_another_stored_through_the_bucket_alone(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    events = _subscriber()
+    events = load_subscriber_example()
     a_settings, b_settings = node(tmp_path, "a", bucket), node(tmp_path, "b", bucket)
     with running_service(tmp_path / "a", **a_settings) as a:
         view = events.TierView(a_settings["events_url"], a_settings["events_replay_url"])
