@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 from kvtier.bench.arena_dir import arena_dir
 from kvtier.bench.chart import demo_chart
 from kvtier.bench.models import BENCH, WORDS, build_model
+from kvtier.bench.ports import free_port
 from kvtier.bench.progress import note, step
 
 STARTUP_TIMEOUT_S = 300.0
@@ -49,13 +49,6 @@ ARENA_BYTES = 512 << 20  # the embedded service's CPU tier
 # kvtier needs none; pinning the reservation keeps both runs on the same OpenMP thread layout, which
 # bf16 results depend on, so "identical" compares like with like.
 CPU_RESERVED = "1"
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _text(rng: random.Random, words: int) -> str:

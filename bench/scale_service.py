@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.bench.ports import free_port
+
 CONNECTIONS = (1, 4, 16, 64)
 QUICK_CONNECTIONS = (1, 4)
 PROMPT_CHUNKS = 64  # chunks a lookup finds
@@ -190,14 +192,6 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def lookup_buckets(admin: str) -> list[float]:
     """The service's cumulative lookup-handler histogram (counts per LATENCY_BUCKETS bound, then +Inf)
     from its admin /metrics."""
@@ -230,7 +224,7 @@ def service(workdir: str, cpus: list[int]) -> Iterator[tuple[str, int, str]]:
     shm = tempfile.mkdtemp(prefix="kvtier-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else workdir)
     sock = os.path.join(workdir, "svc.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    port = _free_port()
+    port = free_port()
     env.update(
         KVTIER_CPU_SIZE=ARENA, KVTIER_SHM_DIR=shm, KVTIER_LOG_LEVEL="WARNING", KVTIER_ADMIN_PORT=str(port)
     )

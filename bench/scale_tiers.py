@@ -51,6 +51,7 @@ from hashlib import blake2b
 from itertools import repeat
 from typing import Any, cast
 
+from kvtier.bench.ports import free_port
 from kvtier.storage import codec
 from kvtier.storage.arena import SlotAllocator
 from kvtier.storage.base import ChunkKey
@@ -434,14 +435,6 @@ async def measure_driver(driver: Driver, repeats: int, seed: int, seconds: float
 
 
 # ------------------------------------------------------------------------------------------ redis
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def redis_server(workdir: str) -> Iterator[str | None]:
     """A throwaway redis-server on a free loopback port (no persistence); None if none is installed."""
@@ -451,7 +444,7 @@ def redis_server(workdir: str) -> Iterator[str | None]:
         return
     import redis
 
-    port = _free_port()
+    port = free_port()
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen([*argv, "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"

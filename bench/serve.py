@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.all import RESULTS
-from kvtier.bench.demo import free_port, stop_server
+from kvtier.bench.demo import stop_server
 from kvtier.bench.engine_proc import STEADY_MALLOC_ENV
 from kvtier.bench.harness import kv_transfer_config
 from kvtier.bench.models import ModelShape, build_model
+from kvtier.bench.ports import free_port
 from kvtier.bench.progress import note, step
 from kvtier.bench.serve_plan import RUNS, KVSizing, RunResult, Workload, run_order, size_kv, summarize
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.app.embedded import probe
-from kvtier.bench.demo import free_port
 from kvtier.bench.harness import kv_transfer_config
 from kvtier.bench.models import build_model
+from kvtier.bench.ports import free_port
 from kvtier.bench.progress import note, step
 from kvtier.bench.serve import (
     DTYPE_BYTES,

@@ -75,7 +75,7 @@ def redis_server(tmp: Path) -> Iterator[str | None]:
     if binary is None:
         yield None
         return
-    from kvtier.bench.demo import free_port
+    from kvtier.bench.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -15,16 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.app.admin import AdminServer
 from kvtier.app.client import ServiceClient
+from kvtier.bench.ports import free_port
 from tests.app import SPEC, hashes, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
 
 TOKEN = "admin-test-secret-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(port: int, path: str) -> tuple[int, str, str]:
@@ -52,7 +46,7 @@ def _exercise(url: str) -> dict[str, Any]:
 
 @pytest.fixture
 def admin(tmp_path: Path) -> Any:
-    port = _free_port()
+    port = free_port()
     with thread_service(tmp_path, admin_port=str(port), auth_token=TOKEN) as svc:
         yield svc, port
 

@@ -13,6 +13,7 @@ import pytest
 from kvtier.bench import connector, signing, signing_ttft
 from kvtier.bench.floors import HIT_FLOOR_TARGETS
 from kvtier.bench.hit_object import object_paths
+from kvtier.bench.ports import distinct_free_ports, free_port
 from kvtier.storage.base import ChunkKey
 from kvtier.storage.keys import disk_relpath
 from kvtier.storage.tiers.object_index import object_path
@@ -25,6 +26,14 @@ def test_a_prompts_object_paths_are_its_disk_chunk_files_keys() -> None:
     keys = [ChunkKey(NS, bytes([7, i])) for i in range(3)]
     files = [f"/var/kvtier/disk/{disk_relpath(k)}" for k in keys]
     assert object_paths(files) == [object_path(k) for k in keys]
+
+
+def test_ports_handed_out_are_never_handed_out_again() -> None:
+    # weed's master died with "bind: address already in use" when two of its eight ports, each
+    # chosen by binding port 0 and letting go, came back equal (CI of 950aa49)
+    ports = distinct_free_ports(64) + [free_port() for _ in range(64)]
+    assert len(set(ports)) == 128
+    assert all(1024 <= port < 65536 for port in ports)
 
 
 @pytest.mark.e2e

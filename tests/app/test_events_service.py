@@ -19,6 +19,7 @@ from kvtier.app.client import ServiceClient
 from kvtier.app.events import MEDIUM
 from kvtier.app.events_publisher import END_SEQ
 from kvtier.app.server import _start_events
+from kvtier.bench.ports import free_port
 from kvtier.storage.base import Tier
 from tests.app import SPEC, settings_for, thread_service
 
@@ -33,12 +34,6 @@ def _chunks(blocks: list[bytes]) -> tuple[list[bytes], list[list[bytes]]]:
     """The chunk keys (hash of each chunk's last block) and each chunk's block hashes."""
     covered = [blocks[i : i + BPC] for i in range(0, len(blocks), BPC)]
     return [c[-1] for c in covered], covered
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def replay_all(replay_url: str) -> dict[str, set[bytes]]:
@@ -83,7 +78,7 @@ def _post(port: int, body: bytes, path: str = "/lookup") -> tuple[int, dict[str,
 
 @pytest.fixture
 def service(tmp_path: Path) -> Any:
-    admin = _free_port()
+    admin = free_port()
     env = {
         "events_url": f"ipc://{tmp_path}/events",
         "events_replay_url": f"ipc://{tmp_path}/replay",

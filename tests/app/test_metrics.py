@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from kvtier.app.metrics import (
     stats_dict,
 )
 from kvtier.app.protocol import PROTOCOL_VERSION
+from kvtier.bench.ports import free_port
 from kvtier.storage.base import StoreStats, TierStats
 from tests.app import thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
@@ -57,14 +57,8 @@ def test_version_falls_back_to_the_checkout_then_to_unknown(tmp_path: Path) -> N
     assert kvtier_version() == importlib.metadata.version("kvtier")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_admin_metrics_carry_build_info_and_process_metrics(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     with thread_service(tmp_path, admin_port=str(port)), urllib.request.urlopen(url, timeout=5) as resp:
         body = resp.read().decode()

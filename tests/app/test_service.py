@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import struct
 import threading
 from pathlib import Path
@@ -14,17 +13,12 @@ from kvtier.app import protocol as p
 from kvtier.app.address import parse_url
 from kvtier.app.client import ServiceClient
 from kvtier.app.server import ServeError, check_bind
+from kvtier.bench.ports import free_port
 from kvtier.storage.arena import align_up
 from kvtier.storage.base import SlotList, Tier
 from kvtier.storage.keys import namespace_id
 from tests.app import SPEC, RawConn, hashes, settings_for, thread_service
 from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_leaks  # noqa: F401
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stored(conn: RawConn, n: int) -> tuple[str, list[bytes], list[Any]]:
@@ -233,7 +227,7 @@ def test_tcp_auth_token_required_and_compared_in_constant_time(
         return real(a, b)
 
     monkeypatch.setattr(kvtier.app.service.hmac, "compare_digest", spy)
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     with thread_service(tmp_path, url=url, auth_token="tok-Ünïcode-42"):
         for token in ("", "wrong", "tok-Ünïcode-4"):
             conn = RawConn(url)

@@ -24,9 +24,9 @@ from vllm.distributed import kv_events as vllm_events
 
 from kvtier.app.events import MEDIUM, external_hash
 from kvtier.app.events_publisher import END_SEQ
-from kvtier.bench.demo import free_port
 from kvtier.bench.harness import BLOCK_SIZE, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.introspect import scheduler_connector
+from kvtier.bench.ports import free_port
 from kvtier.storage import codec
 from kvtier.storage.base import ChunkKey, Tier
 from kvtier.storage.keys import REDIS_PREFIX, disk_relpath, redis_key

@@ -17,9 +17,9 @@ import pytest
 
 from kvtier.app import cli
 from kvtier.app.events import MEDIUM
-from kvtier.bench.demo import free_port
 from kvtier.bench.harness import Outputs, generate_each, kv_transfer_config, make_prompt, running_engine
 from kvtier.bench.introspect import scheduler_connector
+from kvtier.bench.ports import free_port
 from kvtier.connector.stats import merge_counts
 from kvtier.storage.base import Tier
 from kvtier.storage.config import ObjectConfig

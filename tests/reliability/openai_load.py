@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.demo import free_port
 from kvtier.bench.harness import make_prompt
+from kvtier.bench.ports import free_port
 from tests.support.leak_check import descendants
 
 REPO = Path(__file__).resolve().parents[2]

@@ -326,7 +326,7 @@ async def test_a_missing_bucket_at_start_names_the_setting_and_leaves_the_tier_u
 async def test_an_unreachable_endpoint_at_start_names_the_setting(
     aws_env: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tests.support.redis_server import free_port
+    from kvtier.bench.ports import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"
     t = await started(config(endpoint, "p", timeout=2.0, retries=0))

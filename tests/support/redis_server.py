@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.ports import free_port as any_free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 _LIVE: set[subprocess.Popen[bytes]] = set()
@@ -34,9 +36,7 @@ def have_redis_server() -> bool:
 def free_port(bus_offset: int | None = None) -> int:
     """A loopback TCP port that is free now (and port+bus_offset too, for a cluster node's bus)."""
     for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = any_free_port()
         if bus_offset is None:
             return port
         if port + bus_offset < 65536 and _port_free(port + bus_offset):
