@@ -31,12 +31,15 @@ redis-server:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
+# One test at a time: two engine tests at once on two cores ran past their bounds (docs/performance.md,
+# "Test-suite durations").
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Unit and integration tests without vLLM engines (docs/contributing.md, "Test tiers").
+# Unit and integration tests without vLLM engines (docs/contributing.md, "Test tiers"), on two
+# workers, whole files each.
 test-fast: install
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -m "not e2e" $(PYTEST_ARGS)
 
 lint: install typecheck
 	$(VENV)/bin/ruff check app storage connector runtime tests bench tools docs deploy setup.py
