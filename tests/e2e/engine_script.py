@@ -28,7 +28,9 @@ def run_engine_process(job: dict, env: dict[str, str] | None = None, cwd: Path |
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["kvtier_log"] = [line for line in proc.stderr.splitlines() if "kvtier" in line]
+    return result
 
 
 def main() -> int:
@@ -43,7 +45,9 @@ def main() -> int:
         out = run(llm, job["prompts"], job.get("max_tokens", 16))
         count = preemptions(llm)
         external = metric(llm, "vllm:kvtier_external_tokens")
-    print(json.dumps({"tokens": out.tokens, "preemptions": count, "external_tokens": external}), flush=True)
+        skipped = metric(llm, "vllm:kvtier_save_skipped_chunks")
+    result = {"tokens": out.tokens, "preemptions": count, "external_tokens": external, "save_skipped": skipped}
+    print(json.dumps(result), flush=True)
     return 0
 
 

@@ -70,4 +70,4 @@ def test_engine_in_a_folder_with_its_own_app_and_storage_gets_hits(tiny_model: s
     # The second prompt loaded the shared prefix from the service the first stored it in: the first
     # stored 4 whole chunks (its 290 tokens and 7 decoded ones hold no fifth), all inside the 260
     # shared tokens, and nothing else is a hit.
-    assert result["external_tokens"] == 4 * CHUNK
+    assert result["external_tokens"] == 4 * CHUNK, (result["save_skipped"], result["kvtier_log"][-40:])
