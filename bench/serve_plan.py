@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 RUNS = ("prefix_cache", "kvtier", "ceiling")
@@ -149,15 +149,23 @@ class RunResult:
     figures: dict[str, float]
     texts: list[str]
     prompt_tokens: dict[str, float]  # by source: local_compute, local_cache_hit, external_kv_transfer
+    kvtier_hits: dict[str, float] = field(default_factory=dict)  # kvtier's hit tokens by tier
 
     @classmethod
-    def from_vllm(cls, result: Mapping[str, Any], prompt_tokens: dict[str, float]) -> RunResult:
-        """From the JSON `vllm bench serve --save-result --save-detailed` wrote."""
+    def from_vllm(
+        cls,
+        result: Mapping[str, Any],
+        prompt_tokens: dict[str, float],
+        kvtier_hits: Mapping[str, float] | None = None,
+    ) -> RunResult:
+        """From the JSON `vllm bench serve --save-result --save-detailed` wrote (and, for a kvtier
+        run, its hit tokens by tier)."""
         missing = [key for key in (*FIGURES.values(), "generated_texts") if key not in result]
         if missing:
             raise ValueError(f"vLLM's benchmark result lacks {missing}")
         figures = {name: float(result[key]) for name, key in FIGURES.items()}
-        return cls(figures, [str(t) for t in result["generated_texts"]], dict(prompt_tokens))
+        texts = [str(t) for t in result["generated_texts"]]
+        return cls(figures, texts, dict(prompt_tokens), dict(kvtier_hits or {}))
 
 
 def _with_spread(name: str, values: Sequence[float], places: int) -> dict[str, Any]:
@@ -198,6 +206,11 @@ def summarize(runs: Mapping[str, Sequence[RunResult]], prompts: Sequence[str]) -
         section.update(_with_spread("texts_equal_to_ceiling", matches, 1))
         for key in ("prefix_cache_hit_fraction", "kvtier_hit_fraction"):
             section.update(_with_spread(key, [hit_fractions(r.prompt_tokens)[key] for r in runs[name]], 3))
+        tiers = sorted({tier for r in runs[name] for tier in r.kvtier_hits})
+        if tiers:
+            section["kvtier_hit_tokens_by_tier"] = {
+                tier: median([r.kvtier_hits.get(tier, 0.0) for r in runs[name]]) for tier in tiers
+            }
         out[name] = section
     throughput = {name: [r.figures["request_throughput"] for r in runs[name]] for name in RUNS}
     for other in ("prefix_cache", "ceiling"):

@@ -225,6 +225,47 @@ def test_runs_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--runs must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_a_workload_whose_prefixes_all_fit_is_refused_at_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--concurrency", "16", "--prefixes", "8", "--no-save"])
+    assert exc.value.code == 2
+    assert "all 8 prefixes fit in the KV memory of 16 concurrent requests" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.main(["--prompts-per-prefix", "0", "--no-save"])
+    assert "prompts_per_prefix must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_object_variant_gives_kvtier_a_cpu_tier_of_two_prefixes_and_a_prefix_per_run() -> None:
+    plan = serve.Plan(Workload(), serve.SHAPE, runs=3, quick=False)
+    assert serve.kvtier_extra(plan, block_bytes=1000, index=0) == {}  # the embedded default
+    plan = serve.Plan(Workload(), serve.SHAPE, 3, False, "s3://b/serve", "http://127.0.0.1:9")
+    extra = serve.kvtier_extra(plan, block_bytes=1000, index=1)
+    # 1,024-token prefixes of 32-token blocks: 32 blocks each
+    assert extra == {
+        "cpu_size": str(2 * 32 * 1000),
+        "object_url": "s3://b/serve-2",
+        "object_endpoint": "http://127.0.0.1:9",
+    }
+
+
+def test_kvtier_hit_tokens_by_tier_are_medians_over_the_runs() -> None:
+    prompts = ["p"]
+    runs = {name: [_run(1.0, ["a"]) for _ in range(3)] for name in RUNS}
+    runs["kvtier"] = [
+        RunResult(r.figures, r.texts, r.prompt_tokens, hits)
+        for r, hits in zip(
+            runs["kvtier"],
+            [{"cpu": 10.0, "object": 90.0}, {"cpu": 30.0, "object": 70.0}, {"cpu": 20.0}],
+            strict=True,
+        )
+    ]
+    out = summarize(runs, prompts)
+    assert out["kvtier"]["kvtier_hit_tokens_by_tier"] == {"cpu": 20.0, "object": 70.0}
+    assert "kvtier_hit_tokens_by_tier" not in out["ceiling"]
+
+
 def test_the_cli_lists_the_serve_benchmark() -> None:
     assert cli.BENCHES["serve"][0] == "kvtier.bench.serve"
 
