@@ -1,9 +1,10 @@
 """`kvtier bench scale`: how kvtier's costs grow with the size of its tiers, with the engines
-sharing one service and with the context (``bench/scale_tiers.py``, ``bench/scale_service.py``,
-``bench/scale_context.py``).
+sharing one service and with the context, and what the KV events stream costs
+(``bench/scale_tiers.py``, ``bench/scale_service.py``, ``bench/scale_context.py``,
+``bench/scale_events.py``).
 
-``kvtier bench scale`` runs every part; ``kvtier bench scale tiers``, ``... service`` or
-``... context`` one of them.
+``kvtier bench scale`` runs every part; ``kvtier bench scale tiers``, ``... service``,
+``... context`` or ``... events`` one of them.
 ``--quick`` runs each at small sizes (seconds, for a test); the figures go to ``--out`` (default
 ``kvtier-scale.json`` in the current directory) and a summary to stdout.
 """
@@ -17,9 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.bench import scale_context, scale_service, scale_tiers
+from kvtier.bench import scale_context, scale_events, scale_service, scale_tiers
 
-PARTS = ("tiers", "service", "context")
+PARTS = ("tiers", "service", "context", "events")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -60,7 +61,9 @@ def parser() -> argparse.ArgumentParser:
         "--tiers", type=_names, default=None, help=f"tiers (default {','.join(scale_tiers.TIERS)})"
     )
     p.add_argument("--connections", type=_ints, default=None, help="connection counts (default 1,4,16,64)")
-    p.add_argument("--seconds", type=float, default=None, help="seconds per service phase (default 3)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="seconds per service phase or events run (default 3)"
+    )
     p.add_argument("--rate", type=float, default=200.0, help="paced requests per second, all connections")
     p.add_argument(
         "--contexts", type=_ints, default=None, help="prompt tokens (default 1024,4096,16384,32768,65536)"
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         contexts = args.contexts or (scale_context.QUICK_CONTEXTS if quick else scale_context.CONTEXTS)
         rounds = 1 if quick else scale_context.ROUNDS
         out["context"] = scale_context.measure(contexts, repeats, rounds)
+    if args.part in ("events", "all"):
+        out["events"] = scale_events.measure(quick, repeats, args.seconds or (0.3 if quick else 3.0))
     return out
 
 
@@ -136,6 +141,8 @@ def summary(fig: dict[str, Any]) -> list[str]:
                 f" floor {fit['floor_ms_per_1k_tokens']:.2f}"
                 f" (ratio {fit['hit_slope_over_floor_slope']})"
             )
+    if "events" in fig:
+        lines += scale_events.summary(fig["events"])
     return lines
 
 
