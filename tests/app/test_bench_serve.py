@@ -237,19 +237,21 @@ def test_a_workload_whose_prefixes_all_fit_is_refused_at_the_command_line(
     assert "prompts_per_prefix must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_a_lower_tier_sits_beneath_a_cpu_tier_of_two_prefixes_empty_at_each_run(tmp_path: Path) -> None:
+def test_a_lower_tier_sits_beneath_a_cpu_tier_of_half_the_prefixes_or_as_told_empty_at_each_run(
+    tmp_path: Path,
+) -> None:
     def tiers(plan: serve.Plan, index: int) -> dict[str, Any]:
         with serve.kvtier_tiers(plan, 1000, tmp_path, index) as extra:
             return extra
 
     assert tiers(serve.Plan(Workload(), serve.SHAPE, 3, False), 0) == {}  # the embedded default
-    cpu = str(2 * 32 * 1000)  # two 1,024-token prefixes of 32-token blocks
+    cpu = str(8 * 32 * 1000)  # half the 16 prefixes of 1,024 tokens, in 32-token blocks
     disk = tiers(serve.Plan(Workload(), serve.SHAPE, 3, False, "disk"), 1)
     assert disk == {"cpu_size": cpu, "disk_path": str(tmp_path / "disk-2")}
     assert (tmp_path / "disk-2").is_dir()
-    plan = serve.Plan(Workload(), serve.SHAPE, 3, False, "object", "s3://b/serve", "http://127.0.0.1:9")
+    plan = serve.Plan(Workload(), serve.SHAPE, 3, False, "object", 2, "s3://b/serve", "http://127.0.0.1:9")
     assert tiers(plan, 1) == {
-        "cpu_size": cpu,
+        "cpu_size": str(2 * 32 * 1000),
         "object_url": "s3://b/serve-2",
         "object_endpoint": "http://127.0.0.1:9",
     }

@@ -46,7 +46,8 @@ def main() -> int:
         count = preemptions(llm)
         external = metric(llm, "vllm:kvtier_external_tokens")
         skipped = metric(llm, "vllm:kvtier_save_skipped_chunks")
-    result = {"tokens": out.tokens, "preemptions": count, "external_tokens": external, "save_skipped": skipped}
+    result = {"tokens": out.tokens, "preemptions": count, "external_tokens": external}
+    result["save_skipped"] = skipped
     print(json.dumps(result), flush=True)
     return 0
 

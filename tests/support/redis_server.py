@@ -7,7 +7,6 @@ crashed test left behind. Nothing here needs redis-py (readiness is checked with
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import shutil
@@ -21,11 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.children import track, untrack
 from kvtier.bench.ports import free_port as any_free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-_LIVE: set[subprocess.Popen[bytes]] = set()
 
 
 def have_redis_server() -> bool:
@@ -151,18 +150,6 @@ def _command(
         return data[_reply_end(data) or 0 :] if len(parts) > 1 else data
 
 
-def _kill_all() -> None:
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=5)
-        _LIVE.discard(proc)
-
-
-atexit.register(_kill_all)
-
-
 class RedisServer:
     """One redis-server on 127.0.0.1:port; restartable on the same port after stop() or kill()."""
 
@@ -226,7 +213,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
         )
-        _LIVE.add(self.proc)
+        track(self.proc)
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -300,7 +287,7 @@ class RedisServer:
                     proc.kill()
                     proc.wait(timeout=timeout)
         finally:
-            _LIVE.discard(proc)
+            untrack(proc)
 
     def restart(self, timeout: float = 10.0) -> RedisServer:
         """Start again on the same port (after kill() or stop())."""
