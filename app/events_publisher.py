@@ -6,9 +6,10 @@ ROUTER takes ``(identity, b"", start_seq)`` (what a DEALER sends as ``(b"", star
 every kept batch from ``start_seq`` on as ``(identity, b"", topic, seq, payload)``, then the end
 marker ``(identity, b"", b"", seq -1, b"")``.
 
-Never blocking the loop: PUB sends with NOBLOCK (a subscriber past its high-water mark loses
-messages, as with vLLM's publisher; a refused send is counted in ``dropped``); replay requests are
-read by a task on zmq's asyncio sockets and answered from memory. No socket exists unless
+Never blocking the loop: PUB sends with NOBLOCK. A subscriber past its high-water mark loses
+messages silently, as with vLLM's publisher (PUB never refuses a send, so ``dropped`` stays 0); it
+finds the gap in the sequence numbers and asks the replay socket. Replay requests are read by a
+task on zmq's asyncio sockets and answered from memory. No socket exists unless
 ``events_url`` is set: the publisher is built only then. The PUB socket binds ``events_url``, or
 connects to it (``events_connect``) for a subscriber that binds, as llm-d's indexer does with a
 static endpoint; the topic frame is ``events_topic`` (llm-d filters on ``kv@`` and reads the pod
@@ -58,7 +59,7 @@ class EventPublisher:
         self._hwm = hwm
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
-        self.dropped = 0  # batches a full PUB queue refused
+        self.dropped = 0  # sends zmq refused (EAGAIN); a slow subscriber's losses are not among them
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None  # a plain socket: a NOBLOCK send returns at once
         self._replay: zmq.asyncio.Socket | None = None
