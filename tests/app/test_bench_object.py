@@ -29,8 +29,8 @@ def test_a_prompts_object_paths_are_its_disk_chunk_files_keys() -> None:
 
 
 def test_ports_handed_out_are_never_handed_out_again() -> None:
-    # weed's master died with "bind: address already in use" when two of its eight ports, each
-    # chosen by binding port 0 and letting go, came back equal (CI of 950aa49)
+    # Ports chosen one after another by binding port 0 and letting go can come back equal, and a
+    # server given one port twice (weed takes eight) fails to bind.
     ports = distinct_free_ports(64) + [free_port() for _ in range(64)]
     assert len(set(ports)) == 128
     assert all(1024 <= port < 65536 for port in ports)
