@@ -65,6 +65,7 @@ _SUMMARY_KEYS = (
     ("slots_total_bytes", True),
     ("write_queue_depth", False),
     ("writes_dropped", False),
+    ("writes_yielded", False),
     ("connections", False),
 )
 

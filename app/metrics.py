@@ -187,6 +187,7 @@ def stats_dict(stats: StoreStats, metrics: ServiceMetrics, instance_id: str) -> 
         "slots_total_bytes": stats.slots_total_bytes,
         "write_queue_depth": stats.write_queue_depth,
         "writes_dropped": stats.writes_dropped,
+        "writes_yielded": stats.writes_yielded,
         "reserves_dropped": stats.reserve_dropped,
         "namespaces": stats.namespaces,
         "connections": metrics.connections,
@@ -225,6 +226,11 @@ class StoreCollector(Collector):
         )
         yield _counter(
             "kvtier_writes_dropped", "Lower-tier writes dropped (queue full).", stats.writes_dropped
+        )
+        yield _counter(
+            "kvtier_writes_yielded",
+            "Queued lower-tier writes given up so that a save found an arena slot.",
+            stats.writes_yielded,
         )
         yield _counter(
             "kvtier_reserves_dropped",

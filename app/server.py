@@ -328,6 +328,19 @@ async def _start_admin(service: Service, settings: KVTierSettings, embedded: boo
     return admin
 
 
+def watch_exit(loop: asyncio.AbstractEventLoop, pidfd: int, exited: Callable[[], None]) -> None:
+    """Call exited() once, when the process of pidfd exits.
+
+    A pidfd stays readable after the exit: a reader left registered would run on every turn of the
+    loop for as long as clients keep the service up."""
+
+    def once() -> None:
+        loop.remove_reader(pidfd)
+        exited()
+
+    loop.add_reader(pidfd, once)
+
+
 async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Event) -> None:
     poke = asyncio.Event()
     watchdog = None
@@ -335,7 +348,7 @@ async def _serve_until(service: Service, options: ServeOptions, stop: asyncio.Ev
     if parent is not None:
         watchdog = asyncio.get_running_loop().create_task(_watchdog(service, parent, stop, poke))
         if parent.fd >= 0:
-            asyncio.get_running_loop().add_reader(parent.fd, poke.set)
+            watch_exit(asyncio.get_running_loop(), parent.fd, poke.set)
         else:
             _install(PARENT_SIGNAL, poke.set)
     try:

@@ -290,6 +290,7 @@ class StoreStats:
     writes_dropped: int
     namespaces: int
     reserve_dropped: int = 0  # reserve() answers of None because no arena space could be freed
+    writes_yielded: int = 0  # queued lower-tier writes given up so that a reserve found a slot
 
 
 # ---------------------------------------------------------------------------------------------- tiers

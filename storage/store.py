@@ -63,7 +63,7 @@ class TieredStore:
         cfg = config or StoreConfig()
         self._arena = arena
         # The lower tiers take their listener when built (the disk index loads from their start()).
-        self._cpu = CpuTier(SlotAllocator(arena.size), listener)
+        self._cpu = CpuTier(SlotAllocator(arena.size), listener, self._give_up_writes)
         self._lower = sorted(lower, key=lambda t: t.tier)
         self._tier_of: dict[Tier, LowerTier] = {t.tier: t for t in self._lower}
         if len(self._tier_of) != len(self._lower) or Tier.CPU in self._tier_of:
@@ -368,9 +368,16 @@ class TieredStore:
         self._check_open()
         self._saves.abort(slots)
 
-    def _write_done(self, key: ChunkKey, slot: SlotRef) -> None:
-        """A queued write ended: its slot loses the pin Reservations.persist took."""
-        self._cpu.unpin(slot)
+    def _write_done(self, key: ChunkKey, slot: SlotRef, written: bool) -> None:
+        """A queued write ended, or never ran: its slot loses the pin Reservations.persist took."""
+        self._cpu.unpin(slot, written=written)
+
+    def _give_up_writes(self, need_bytes: int) -> int:
+        """The CPU tier's last resort when every chunk is pinned: queued writes that have not started
+        give way to a save, oldest first, when theirs is the only pin on the slot (their on_done
+        unpins it); returns the bytes given up."""
+        wb = self._writeback
+        return 0 if wb is None else wb.give_up(need_bytes, self._cpu.unpin_frees)
 
     # ------------------------------------------------------------------------------------ removal
     async def disk_reads(
@@ -456,6 +463,7 @@ class TieredStore:
             writes_dropped=wb.dropped if wb else 0,
             namespaces=len(self._chunk_bytes),
             reserve_dropped=self._saves.dropped,
+            writes_yielded=wb.yielded if wb else 0,
         )
 
     async def close(self, drain_timeout: float = 5.0) -> None:

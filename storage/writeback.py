@@ -1,7 +1,9 @@
 """Write-behind queue from the CPU tier to the lower tiers (disk, Redis, object storage).
 
-Who owns what: the store's event loop owns the queue and its worker tasks. ``offer`` never waits (a
-full queue drops and counts); ``on_done`` runs once per accepted item, after every tier's put ended.
+Who owns what: the store's event loop owns the queue and its worker tasks, and each accepted item
+until ``on_done`` runs for it: once, after every tier's put ended, or at once for an item that never
+started (given up for a reserve, cancelled, abandoned at close). ``offer`` never waits (a full queue
+drops and counts); ``give_up`` hands queued items' slots back to a save that needs room.
 Design: docs/internals.md#write-behind-writebackpy
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +21,9 @@ from kvtier.storage.base import ChunkKey, LowerTier, SlotRef
 log = logging.getLogger(__name__)
 
 ViewFn = Callable[[SlotRef], memoryview]
-DoneFn = Callable[[ChunkKey, SlotRef], None]
+# (key, slot, written): written is False when the item's write was given up, cancelled or abandoned.
+DoneFn = Callable[[ChunkKey, SlotRef, bool], None]
+FreesFn = Callable[[SlotRef], int]  # the arena bytes that ending this item's pin frees (0: none)
 
 
 @dataclass(slots=True, eq=False)
@@ -45,12 +50,17 @@ class WriteBack:
         self._tiers = list(tiers)
         self._view = view
         self._on_done = on_done
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue(max_queue)
+        self._max_queue = max_queue
+        self._queued: OrderedDict[ChunkKey, _Item] = OrderedDict()  # not started, oldest first
         self._pending: dict[ChunkKey, _Item] = {}  # queued or being written
+        self._ready = asyncio.Event()  # set while _queued holds items
+        self._idle = asyncio.Event()  # set while _pending is empty
+        self._idle.set()
         self._n_workers = workers
         self._workers: list[asyncio.Task[None]] = []
         self._closed = False
-        self.dropped = 0
+        self.dropped = 0  # refused (queue full, closed) or abandoned at close
+        self.yielded = 0  # queued items given up so that a save found a slot
         self.written = 0
         self.failed = 0
 
@@ -71,13 +81,14 @@ class WriteBack:
         if self._closed:
             self.dropped += 1
             return False
-        item = _Item(key, slot, covered)
-        try:
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
+        if len(self._queued) >= self._max_queue:
             self.dropped += 1
             return False
+        item = _Item(key, slot, covered)
+        self._queued[key] = item
         self._pending[key] = item
+        self._ready.set()
+        self._idle.clear()
         self._start_workers()
         return True
 
@@ -89,12 +100,33 @@ class WriteBack:
         item.cancelled = True
         return True
 
+    def give_up(self, need_bytes: int, frees: FreesFn) -> int:
+        """Give up the oldest queued writes (never one already started) whose pins free arena bytes
+        (frees() says how many), until they free need_bytes; returns the bytes they free.
+
+        Each one's on_done runs now, and it is counted in yielded: a save that needs a slot comes
+        before a write-behind that has not started.
+        """
+        chosen: list[_Item] = []
+        got = 0
+        for item in self._queued.values():
+            if freed := frees(item.slot):
+                chosen.append(item)
+                got += freed
+                if got >= need_bytes:
+                    break
+        for item in chosen:
+            del self._queued[item.key]
+            self.yielded += not item.cancelled  # a cancelled one was not to be written anyway
+            self._finish(item, written=False)
+        return got
+
     async def drain(self, timeout: float) -> bool:  # noqa: ASYNC109 (a shutdown budget)
         """Wait until every accepted write finished; False when timeout passed first."""
         if not self._pending:
             return True
         try:
-            await asyncio.wait_for(self._queue.join(), timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
             return False
         return True
@@ -109,8 +141,8 @@ class WriteBack:
         for task in workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        while not self._queue.empty():
-            self._finish(self._queue.get_nowait())
+        while self._queued:
+            self._finish(self._queued.popitem(last=False)[1], written=False)
             self.dropped += 1
         return drained
 
@@ -120,9 +152,14 @@ class WriteBack:
 
     async def _run(self) -> None:
         while True:
-            item = await self._queue.get()
+            while not self._queued:
+                self._ready.clear()
+                await self._ready.wait()
+            item = self._queued.popitem(last=False)[1]  # started: give_up no longer sees it
+            written = False
             try:
                 await self._write(item)
+                written = not item.cancelled
             except asyncio.CancelledError:
                 self.dropped += 1
                 raise
@@ -130,8 +167,7 @@ class WriteBack:
                 log.exception("write of %s failed", item.key)
                 self.failed += 1
             finally:
-                self._queue.task_done()
-                self._finish(item)
+                self._finish(item, written=written)
 
     async def _write(self, item: _Item) -> None:
         if item.cancelled:
@@ -157,10 +193,12 @@ class WriteBack:
         if item.cancelled:  # deleted while the write was running: do not leave it behind
             await asyncio.gather(*(tier.delete(item.key) for tier in self._tiers), return_exceptions=True)
 
-    def _finish(self, item: _Item) -> None:
+    def _finish(self, item: _Item, *, written: bool) -> None:
         if self._pending.get(item.key) is item:
             del self._pending[item.key]
+            if not self._pending:
+                self._idle.set()
         try:
-            self._on_done(item.key, item.slot)
+            self._on_done(item.key, item.slot, written)
         except Exception:
             log.exception("releasing the slot of %s failed", item.key)

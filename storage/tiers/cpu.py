@@ -1,7 +1,8 @@
 """CPU tier: the arena's committed slots, indexed by chunk key, evicted LRU by bytes.
 
 Who owns what: the service's event loop owns this object (no locks): the slot allocator, the index
-key -> entry, the LRU order and the pin counts (per slot, not per key).
+key -> entry, the LRU order and the pin counts (per slot, not per key). A pin belongs to whoever took
+it (a lease, a queued write); reserve() asks the reclaim hook to end pins that may give way.
 Design: docs/internals.md#cpu-tier-cpupy
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import cast
@@ -52,15 +53,25 @@ _hash_of = itemgetter(1)  # of a ChunkKey
 _offset_of = itemgetter(0)  # of a SlotRef
 _length_of = itemgetter(1)  # of a SlotRef
 
+# Asked, when no unpinned chunk is left to evict, to end pins that may give way (queued writes)
+# for at least this many bytes; returns the bytes whose pins it ended (0: none can).
+ReclaimFn = Callable[[int], int]
+
 
 class CpuTier:
     """Index of committed arena slots with LRU eviction; pinned chunks are never evicted."""
 
     tier = Tier.CPU
 
-    def __init__(self, allocator: SlotAllocator, listener: TierListener | None = None) -> None:
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        listener: TierListener | None = None,
+        reclaim: ReclaimFn | None = None,
+    ) -> None:
         self._alloc = allocator
         self.listener = listener  # told of every chunk indexed or unindexed (KV events)
+        self._reclaim = reclaim
         self._index: dict[str, dict[bytes, CpuEntry]] = {}  # namespace -> prefix hash -> entry
         self._count = 0
         self._by_offset: dict[int, CpuEntry] = {}
@@ -120,7 +131,8 @@ class CpuTier:
 
     # ------------------------------------------------------------------------------------ slots
     def reserve(self, length: int) -> SlotRef | None:
-        """A free slot of length bytes, evicting unpinned chunks LRU-first; None if impossible."""
+        """A free slot of length bytes, evicting unpinned chunks LRU-first, and when none is left,
+        chunks whose pins the reclaim hook ends; None if impossible."""
         if self._alloc.extent(length) > self._alloc.capacity:
             return None
         while True:
@@ -131,7 +143,11 @@ class CpuTier:
             need = max(self._alloc.extent(length) - self._alloc.free_bytes, 1)
             victims = self._lru.victims(need, _pins_of)
             if not victims:
-                return None
+                # Each reclaim ends pins for good, so this loop ends. A removed chunk's slot is
+                # freed by its unpin; an indexed one becomes a victim of the next pass.
+                if self._reclaim is None or self._reclaim(need) <= 0:
+                    return None
+                continue
             for entry in victims:
                 self._evict(entry)
 
@@ -151,7 +167,12 @@ class CpuTier:
             self._evict_for(self._lru.victims(short, _pins_of), length, count, out)
         for _ in range(count - len(out)):
             slot = alloc.alloc(length)
-            out.append(slot if slot is not None else self.reserve(length))  # fragmented or full
+            if slot is None:
+                slot = self.reserve(length)  # fragmented or full
+                if slot is None:  # nothing left to free for this length: the rest would fail too
+                    out += [None] * (count - len(out))
+                    break
+            out.append(slot)
         return out
 
     def _evict_for(self, victims: list[CpuEntry], length: int, count: int, out: list[SlotRef | None]) -> None:
@@ -315,16 +336,27 @@ class CpuTier:
             raise SlotStateError(f"{slot} holds no committed chunk")
         entry.pins += 1
 
+    def unpin_frees(self, slot: SlotRef) -> int:
+        """The arena bytes that ending one pin of slot's chunk frees for reuse: the slot's extent when
+        that pin is its only one, else 0."""
+        entry = self._by_offset.get(slot.offset)
+        if entry is None or entry.slot != slot or entry.pins != 1:
+            return 0
+        return self._alloc.extent(slot.length)
+
     def pin_entries(self, entries: Iterable[CpuEntry]) -> None:
         """pin() the slot of each entry (indexed entries, as entries() gives them)."""
         for entry in entries:
             entry.pins += 1
 
-    def unpin(self, slot: SlotRef) -> None:
-        """Undo one pin(); a removed chunk's slot is freed with its last pin."""
+    def unpin(self, slot: SlotRef, *, written: bool = True) -> None:
+        """Undo one pin(); a removed chunk's slot is freed with its last pin. written=False: the pin
+        was a lower-tier write's that never happened, so the chunk may be queued again."""
         entry = self._by_offset.get(slot.offset)
         if entry is None or entry.slot != slot:
             raise SlotStateError(f"{slot} is not pinned")
+        if not written:
+            entry.persisted = False
         self.unpin_entries((entry,))
 
     def unpin_entries(self, entries: Iterable[CpuEntry]) -> None:

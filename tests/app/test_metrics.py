@@ -90,9 +90,11 @@ def _process_start_time() -> float:
 
 
 def test_saves_refused_for_arena_space_are_exported_and_in_the_stats() -> None:
-    stats = StoreStats({"cpu": TierStats()}, 0, 0, 0, 0, 2, 0, reserve_dropped=5)
+    stats = StoreStats({"cpu": TierStats()}, 0, 0, 0, 0, 2, 0, reserve_dropped=5, writes_yielded=3)
     body = generate_latest(build_registry(lambda: stats, ServiceMetrics())).decode()
     families = {f.name: f for f in text_string_to_metric_families(body)}
     assert [s.value for s in families["kvtier_reserves_dropped"].samples if s.name.endswith("_total")] == [5]
     assert [s.value for s in families["kvtier_writes_dropped"].samples if s.name.endswith("_total")] == [2]
-    assert stats_dict(stats, ServiceMetrics(), "i")["reserves_dropped"] == 5
+    assert [s.value for s in families["kvtier_writes_yielded"].samples if s.name.endswith("_total")] == [3]
+    as_dict = stats_dict(stats, ServiceMetrics(), "i")
+    assert as_dict["reserves_dropped"] == 5 and as_dict["writes_yielded"] == 3

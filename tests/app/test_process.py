@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -149,3 +150,19 @@ def test_kvtier_stats_without_a_service_fails_cleanly(tmp_path: Path) -> None:
         timeout=30,
     )
     assert out.returncode == 1 and "none.sock" in out.stderr and not out.stdout
+
+
+async def test_the_parents_exit_is_reported_once_though_its_pidfd_stays_readable() -> None:
+    from kvtier.app.server import watch_exit
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    pidfd = os.pidfd_open(child.pid)
+    try:
+        child.wait(30)
+        calls: list[int] = []
+        watch_exit(asyncio.get_running_loop(), pidfd, lambda: calls.append(1))
+        for _ in range(20):  # turns of the loop: a reader still registered would run on each
+            await asyncio.sleep(0)
+        assert calls == [1]
+    finally:
+        os.close(pidfd)

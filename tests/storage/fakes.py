@@ -28,6 +28,7 @@ class FakeTier:
         self.gets: list[ChunkKey] = []
         self.deletes: list[ChunkKey] = []
         self.put_started = asyncio.Event()
+        self.putting = 0  # puts started and not yet returned
         self.stored = asyncio.Event()  # set once a put has stored its payload
         self.started = False
         self.closed = False
@@ -65,18 +66,22 @@ class FakeTier:
     async def put(self, key: ChunkKey, payload: memoryview) -> bool:
         """Copy payload into the dict."""
         self.put_started.set()
-        await self._enter()
-        if self.put_gate is not None:
-            await self.put_gate.wait()
-        if self.fail:
-            self._stats.count_error("timeout")
-            return False
-        self.data[key] = bytes(payload)
-        self.puts.append(key)
-        self._stats.stores += 1
-        self._stats.bytes_written += len(payload)
-        self.stored.set()
-        return True
+        self.putting += 1
+        try:
+            await self._enter()
+            if self.put_gate is not None:
+                await self.put_gate.wait()
+            if self.fail:
+                self._stats.count_error("timeout")
+                return False
+            self.data[key] = bytes(payload)
+            self.puts.append(key)
+            self._stats.stores += 1
+            self._stats.bytes_written += len(payload)
+            self.stored.set()
+            return True
+        finally:
+            self.putting -= 1
 
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
         """Copy the stored payload into dest; False on miss, corruption or failure."""

@@ -27,6 +27,7 @@ from tests.storage.store_env import (
     listing,
     payload,
     settled,
+    until,
 )
 
 
@@ -87,13 +88,14 @@ async def test_two_namespaces_of_different_sizes_share_the_budget(make) -> None:
 
 
 # -------------------------------------------------------------------------------- write policy
-async def test_write_through_pins_queued_chunks_until_written(make) -> None:
+async def test_write_through_pins_chunks_while_written(make) -> None:
     env = await make(chunks=2)
     gate = env.disk.put_gate = asyncio.Event()
     await env.save([0, 1])
+    await until(lambda: env.disk.putting == 2)  # both writes started (two workers)
     assert env.store.stats().write_queue_depth == 2
-    assert env.store.reserve(env.ns, [H[2]]) == [None]  # queued chunks are not evicted
-    assert env.store.stats().reserve_dropped == 1
+    assert env.store.reserve(env.ns, [H[2]]) == [None]  # chunks being written are not evicted
+    assert env.store.stats().reserve_dropped == 1 and env.store.stats().writes_yielded == 0
     gate.set()
     assert await env.store.flush(2.0)
     assert set(env.disk.data) == set(env.redis.data) == {env.key(0), env.key(1)}

@@ -27,14 +27,17 @@ class Harness:
     def __init__(self, tiers: list[FakeTier], max_queue: int = 8, workers: int = 2) -> None:
         self.memory = bytearray(SIZE * 16)
         self.done: list[ChunkKey] = []
+        self.unwritten: list[ChunkKey] = []  # on_done said the write never happened
         self.tiers = tiers
         self.wb = WriteBack(tiers, self.view, self.on_done, max_queue, workers)
 
     def view(self, slot: SlotRef) -> memoryview:
         return memoryview(self.memory)[slot.offset : slot.offset + slot.length]
 
-    def on_done(self, k: ChunkKey, slot: SlotRef) -> None:
+    def on_done(self, k: ChunkKey, slot: SlotRef, written: bool) -> None:
         self.done.append(k)
+        if not written:
+            self.unwritten.append(k)
 
     def offer(self, i: int) -> bool:
         slot = SlotRef(i * SIZE, SIZE)
@@ -113,6 +116,45 @@ async def test_cancel_skips_a_queued_write_and_undoes_a_running_one() -> None:
     await h.wb.close(1.0)
 
 
+async def test_give_up_ends_queued_writes_oldest_first_never_a_running_one() -> None:
+    tier = FakeTier()
+    tier.put_gate = asyncio.Event()
+    h = Harness([tier], workers=1)
+    for i in range(4):
+        h.offer(i)
+    await tier.put_started.wait()  # 0 is being written, 1-3 are queued
+    assert h.wb.give_up(2 * SIZE, lambda slot: slot.length) == 2 * SIZE
+    assert h.done == [key(1), key(2)] and h.unwritten == [key(1), key(2)]
+    assert h.wb.yielded == 2 and h.wb.dropped == 0 and h.wb.depth == 2
+    assert not h.wb.pending(key(1)) and h.wb.pending(key(0)) and h.wb.pending(key(3))
+    assert h.wb.give_up(10 * SIZE, lambda slot: slot.length) == SIZE  # 3 only: 0 has started
+    assert tier.putting == 1 and h.wb.pending(key(0))  # still being written
+    assert h.wb.give_up(SIZE, lambda slot: slot.length) == 0  # nothing queued is left
+    tier.put_gate.set()
+    assert await h.wb.drain(2.0)
+    assert tier.puts == [key(0)] and set(tier.data) == {key(0)}
+    assert h.done == [key(1), key(2), key(3), key(0)] and h.unwritten == [key(1), key(2), key(3)]
+    assert h.wb.yielded == 3 and h.wb.written == 1
+    await h.wb.close(1.0)
+    assert len(h.done) == 4  # once per item: close has nothing left to hand back
+
+
+async def test_give_up_skips_slots_it_would_not_free() -> None:
+    tier = FakeTier()
+    tier.put_gate = asyncio.Event()
+    h = Harness([tier], workers=1)
+    for i in range(4):
+        h.offer(i)
+    await tier.put_started.wait()  # 0 is being written, 1-3 are queued
+    held = SlotRef(1 * SIZE, SIZE)  # as a chunk a lease also pins
+    assert h.wb.give_up(SIZE, lambda slot: 0 if slot == held else slot.length) == SIZE
+    assert h.done == [key(2)] and h.wb.pending(key(1))
+    tier.put_gate.set()
+    assert await h.wb.drain(2.0)
+    assert ids(list(tier.data)) == [0, 1, 3]
+    await h.wb.close(1.0)
+
+
 async def test_failing_and_raising_tiers_are_counted() -> None:
     dead, broken, good = FakeTier(Tier.DISK), FakeTier(Tier.REDIS), FakeTier(Tier.DISK)
     dead.fail = True
@@ -129,4 +171,4 @@ async def test_failing_and_raising_tiers_are_counted() -> None:
 
 async def test_bad_sizes_rejected() -> None:
     with pytest.raises(ValueError):
-        WriteBack([], lambda s: memoryview(b""), lambda k, s: None, 0)
+        WriteBack([], lambda s: memoryview(b""), lambda k, s, w: None, 0)
