@@ -317,7 +317,8 @@ class Service:
         owns), so the reads run while the request waits in vLLM's queue; skipped, and counted, when
         those bytes would pass the budget (the worker's Stage reads them when it comes)."""
         lower = result.num_hit - result.tiers.count(Tier.CPU)
-        if not lower or self.draining or (msg.direct_disk and Tier.REDIS not in result.tiers):
+        below_disk = any(t is not Tier.CPU and t is not Tier.DISK for t in result.tiers)
+        if not lower or self.draining or (msg.direct_disk and not below_disk):
             return  # nothing below the CPU tier, or only disk chunks the engine reads itself
         counts = self.metrics.prestage
         nbytes = lower * spec.chunk_bytes

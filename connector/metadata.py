@@ -115,6 +115,7 @@ class KVTierMetadata(KVConnectorMetadata):
     held: list[str] = field(default_factory=list)
     generation: str = ""  # the scheduler side's generation of the namespaces (see reset_cache)
     step: int = 0  # the scheduler side's step number (build_connector_meta calls), for KVTierWorkerMeta
+    idle: bool = False  # no token is scheduled: vLLM runs the step only to poll the connector
     # Hybrid engines: every block vLLM handed out this step. A deferred save still reading one of
     # them (a sliding-window block freed meanwhile) is fenced before the forward writes it.
     allocated: list[int] = field(default_factory=list)

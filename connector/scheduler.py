@@ -318,7 +318,8 @@ class SchedulerSide:
         """This step's loads, saves, preemptions and held finished requests."""
         self._budget_left = self._budget_s
         self._step = step = self._step + 1
-        meta = KVTierMetadata(generation=self.cfg.generation, step=step)
+        idle = not scheduler_output.total_num_scheduled_tokens
+        meta = KVTierMetadata(generation=self.cfg.generation, step=step, idle=idle)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._on_preempted(req_id, meta)
         if self._windowed:

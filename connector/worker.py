@@ -7,6 +7,7 @@ Design: docs/internals.md#worker-side-workerpy-worker_savespy-worker_arenapy
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -37,6 +38,9 @@ from kvtier.storage.base import SlotRef
 log = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and level
 
 HELLO_WAIT_S = 5.0
+# How long a step that computes nothing waits for a stage's reply before it lets vLLM step again:
+# what a new request arriving meanwhile may wait (vLLM's own loop sleeps 1 ms on such steps).
+IDLE_WAIT_S = 0.002
 
 
 class WorkerSide:
@@ -57,6 +61,7 @@ class WorkerSide:
         chunk = cfg.geometry.chunk_size
         self._saves = Saves(client, cfg.namespace, chunk, windowed, self.counters, self._lock)
         self._async: dict[str, PendingLoad] = {}
+        self._idle_step = False  # the bound step computes nothing (KVTierMetadata.idle)
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()  # hybrid engines: failed async loads, reported whole
         self._failed_this_step: set[str] = set()
@@ -159,6 +164,7 @@ class WorkerSide:
         self._finish_loads()  # the last step's, if nothing finished them (its forward raised)
         self._in_forward, self._waits_now = True, set()
         self._step = meta.step
+        self._idle_step = meta.idle
         self._failed_this_step = set()
         self._saves.hold(meta.held)  # reported in get_finished whatever else happens
         if meta.generation != self.cfg.generation:
@@ -466,6 +472,9 @@ class WorkerSide:
         """Requests whose held blocks are free to go, and async loads that completed."""
         self._end_forward()
         self._finish_loads()
+        if self._idle_step:
+            self._idle_step = False
+            self._await_stage()
         for req_id, pending in list(self._async.items()):
             if pending.ready():
                 del self._async[req_id]
@@ -473,6 +482,16 @@ class WorkerSide:
                 self._finished_recving.add(req_id)
         recving, self._finished_recving = self._finished_recving, set()
         return self._saves.released(), recving
+
+    def _await_stage(self) -> None:
+        """On a step that computes nothing, wait up to IDLE_WAIT_S for a stage's reply, reading it
+        in this thread. Else vLLM polls again at once, and while this thread polls the reply waits
+        for the client's loop thread to get the GIL from it (up to a switch interval, 5 ms)."""
+        stages = [p.future for p in self._async.values() if p.disk is None and p.future is not None]
+        if not stages or len(stages) < len(self._async) or any(f.done() for f in stages):
+            return  # a disk load advances only as it is polled; a finished stage is taken now
+        with contextlib.suppress(Exception):  # not answered yet, or failed: _finish_async judges it
+            stages[0].result(timeout=IDLE_WAIT_S)
 
     def worker_meta(self) -> KVTierWorkerMeta:
         """What the scheduler side learns after each step: the step through which saves have ended."""

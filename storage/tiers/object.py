@@ -4,15 +4,15 @@ on any store of the S3 API, shared by every node of a fleet; below Redis.
 Lookups never wait on the store: ``contains_many`` reads the index (``object_index``), loaded by a
 LIST at start and refreshed by one every ``refresh_period`` (how stale it may be: there); the
 objects a LIST finds are announced to the listener with what their trailers say they cover, read in
-the background (``object_announce``). Loads (``get_into``) fetch the object, verify header and
-checksum and copy the payload into the caller's slot on this tier's threads (with tier keys, the MAC
-too: codec.py, "Signed blobs"; a forged object is counted 'forged' and logged at WARNING); a
-missing, corrupt, forged, truncated or foreign object is a counted miss, unindexed, and (but for a
-missing one) deleted. Writes (``put``) never hold a save: the blob (header, payload, trailer) is
-copied out of the slot on a thread and uploaded in the background, so the slot is free again at
-once; ``write_bytes`` bounds the bytes of uploads in flight, and a put beyond it is dropped and
-counted ('slow'), as is a put while the breaker is open. A chunk the index already holds (written by
-this node or listed from another) is not uploaded again.
+the background (``object_announce``). Loads (``get_into``) stream the object and verify header and
+checksum while copying the payload into the caller's slot, piece by piece as it arrives
+(``object_read``; with tier keys, the MAC too: codec.py, "Signed blobs"; a forged object is counted
+'forged' and logged at WARNING); a missing, corrupt, forged, truncated or foreign object is a
+counted miss, unindexed, and (but for a missing one) deleted. Writes (``put``) never hold a save:
+the blob (header, payload, trailer) is copied out of the slot on a thread and uploaded in the
+background, so the slot is free again at once; ``write_bytes`` bounds the bytes of uploads in
+flight, and a put beyond it is dropped and counted ('slow'), as is a put while the breaker is open.
+A chunk the index already holds (written by this node or listed from another) is not uploaded again.
 
 Failures: every call runs under ``timeout`` (obstore's retries of 5xx, SlowDown and dropped
 connections, with backoff, inside it); a timeout or an unreachable store trips the circuit breaker,
@@ -24,15 +24,15 @@ Capacity: the index's bytes (this node's objects and those listed) are kept with
 deleting the least recently used objects the index knows of, never a pinned one; capacity 0 leaves
 it to the bucket's lifecycle rule (docs/architecture.md, "The object tier").
 
-Who owns what: the event loop owns the index, pins, uploads in flight, stats and breaker; the threads
-only copy and hash buffers handed to them. The tier owns its client, threads and background tasks,
-and ends them in close(), which lets uploads in flight finish within their timeout.
+Who owns what: the event loop owns the index, pins, uploads in flight, stats and breaker, and runs
+the loads' copies; the threads only build blobs for uploads and sort listings. The tier owns its
+client, threads and background tasks, and ends them in close(), which lets uploads in flight finish
+within their timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,13 +40,14 @@ from typing import Any, TypeVar
 
 from kvtier.runtime.handoff import run_to_end
 from kvtier.storage import codec
-from kvtier.storage.base import BlobError, ChunkKey, Tier, TierListener, TierStats
+from kvtier.storage.base import ChunkKey, Tier, TierListener, TierStats
 from kvtier.storage.breaker import CircuitBreaker
 from kvtier.storage.config import ObjectConfig
 from kvtier.storage.signing import Signer
 from kvtier.storage.tiers.object_announce import ListedAnnouncer
 from kvtier.storage.tiers.object_client import Buffer, ObjectClient, failure_kind, is_missing
 from kvtier.storage.tiers.object_index import ObjectIndex, object_path, order, parse_path
+from kvtier.storage.tiers.object_read import BlobSink, Outcome
 from kvtier.storage.tiers.pins import PinBook
 
 log = logging.getLogger("kvtier.object")
@@ -55,21 +56,16 @@ Sleep = Callable[[float], Awaitable[None]]
 _THREADS = 2
 _SLACK_SHIFT = 10  # eviction frees capacity >> this beyond its need, so it runs once per many puts
 _MERGE_STEP = 4096  # listed objects parsed between two turns of the loop
+# A load takes the object's bytes in pieces of at least this size: small enough that copying and
+# hashing one holds the loop for a fraction of a millisecond and most of an object's are verified
+# before its last byte arrives, large enough that each piece is one turn of the loop, not many.
+_PIECE = 1 << 20
 # A blob's buffer is kept for the next put once its upload succeeded: a fresh buffer of 32 MiB or
 # more is a fresh mapping whose pages fault in as the blob is written, a sizeable share of a put
 # (docs/performance.md, "Object tier throughput"). At most write_bytes >> _SPARE_SHIFT bytes are
 # kept; a buffer up to _SPARE_SLACK larger than a blob fits it.
 _SPARE_SHIFT = 2
 _SPARE_SLACK = 64 << 10
-
-
-class Outcome(enum.Enum):
-    """How a load's decode ended."""
-
-    HIT = "hit"
-    CORRUPT = "corrupt"  # not a valid blob of this key: damaged, truncated or foreign
-    LENGTH_MISMATCH = "length_mismatch"  # a valid blob of another payload size
-    FORGED = "forged"  # with tier keys: unsigned, signed by an unknown key, or a wrong MAC tag
 
 
 def build_blob(
@@ -91,25 +87,6 @@ def build_blob(
     blob[len(header) : end] = payload
     blob[end:] = trailer
     return blob
-
-
-def decode_into(data: Buffer, key: ChunkKey, dest: memoryview, signer: Signer | None = None) -> Outcome:
-    """Verify a fetched blob of key (its MAC too, with signer) and copy its payload into dest (on a
-    thread); dest counts as loaded only on HIT."""
-    view = memoryview(data).cast("B")
-    try:
-        header = codec.parse_header(view, key)
-        mac = codec.payload_mac(signer, header)
-    except codec.BlobForgedError:
-        return Outcome.FORGED
-    except BlobError:
-        return Outcome.CORRUPT
-    misfit = codec.misfit(header, view.nbytes, dest.nbytes)
-    if misfit is not None:
-        return Outcome(misfit)
-    end = header.size + header.payload_len
-    dest[:] = view[header.size : end]
-    return Outcome(codec.judge(header, mac, dest, view[end:]))
 
 
 class ObjectTier:
@@ -276,14 +253,13 @@ class ObjectTier:
     async def get_into(self, key: ChunkKey, dest: memoryview) -> bool:
         """Fetch key's object, verify it and leave its payload in dest; False on miss or any failure."""
         dest = memoryview(dest).cast("B")
-        data: Buffer | bool | None = await self._call(lambda: self._fetch(object_path(key)), False)
-        if data is False or data is None:
+        outcome: Outcome | bool | None = await self._call(lambda: self._load(key, dest), False)
+        if not isinstance(outcome, Outcome):  # False: the call failed (counted)
             self._stats.misses += 1
-            if data is None:  # listed or written once, gone now (deleted elsewhere, a lifecycle rule)
+            if outcome is None:  # listed or written once, gone now (deleted elsewhere, a lifecycle rule)
                 self._stats.count_error("gone")
                 self._unindex(key)
             return False
-        outcome = await run_to_end(self._threads, decode_into, data, key, dest, self.signer)
         if outcome is Outcome.HIT:
             self._stats.hits += 1
             self._stats.bytes_read += dest.nbytes
@@ -301,18 +277,33 @@ class ObjectTier:
                 await self._call(lambda: self._delete_paths([object_path(key)]), False)
         return False
 
-    async def _fetch(self, path: str, span: tuple[int, int] | None = None) -> Buffer | None:
-        """The object's bytes (those of span, start to end, when given), or None when it is not there."""
+    async def _load(self, key: ChunkKey, dest: memoryview) -> Outcome | None:
+        """Stream key's object into dest, verified piece by piece on this loop as it arrives (each
+        piece's copy and hash take well under a millisecond); None when it is not there."""
         try:
-            return await (self.client.get(path) if span is None else self.client.get_range(path, *span))
+            size, pieces = await self.client.get_stream(object_path(key), _PIECE)
         except FileNotFoundError as exc:
             if is_missing(exc):
                 return None
             raise
+        sink = BlobSink(key, dest, size, self.signer)
+        async for piece in pieces:
+            decided = sink.feed(piece)
+            if decided is not None:  # no later byte makes it a hit: the GET ends with its iterator
+                return decided
+        return sink.finish()
 
     async def _fetch_range(self, path: str, start: int, end: int) -> Buffer | bool | None:
         """One ranged GET under the breaker and timeout: the bytes, None when gone, False on failure."""
-        return await self._call(lambda: self._fetch(path, (start, end)), False)
+        return await self._call(lambda: self._fetch_span(path, start, end), False)
+
+    async def _fetch_span(self, path: str, start: int, end: int) -> Buffer | None:
+        try:
+            return await self.client.get_range(path, start, end)
+        except FileNotFoundError as exc:
+            if is_missing(exc):
+                return None
+            raise
 
     async def _delete_paths(self, paths: list[str]) -> bool:
         await self.client.delete(paths)

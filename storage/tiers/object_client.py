@@ -163,11 +163,12 @@ class ObjectClient:
     def __repr__(self) -> str:
         return f"ObjectClient(s3://{self.bucket}/{self.prefix})"
 
-    async def get(self, path: str) -> Buffer:
-        """The whole object (obstore's buffer, read-only; one copy leaves it)."""
+    async def get_stream(self, path: str, piece: int) -> tuple[int, AsyncIterator[Buffer]]:
+        """The object's size and its bytes as they arrive, in pieces of at least piece bytes (the
+        last may be shorter); the GET runs until the last piece is taken or the iterator dropped."""
         result = await obstore.get_async(self._store, path)
-        data: Buffer = await result.bytes_async()  # type: ignore[assignment]  # a Buffer
-        return data
+        pieces: AsyncIterator[Buffer] = result.stream(min_chunk_size=piece)
+        return int(result.meta["size"]), pieces
 
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         """Bytes start to end (exclusive) of the object, in one ranged GET."""

@@ -213,7 +213,7 @@ async def test_no_read_ahead_without_the_flag_or_with_the_budget_at_zero(
     assert world.counts == {"leases": 0, "bytes": 0, "skipped": 0, "errors": 0, "inflight_bytes": 0}
 
 
-async def test_an_engine_that_reads_disk_files_itself_gets_only_redis_hits_read_ahead(make) -> None:
+async def test_a_disk_file_reader_gets_its_disk_hits_left_and_redis_hits_read_ahead(make) -> None:
     redis = FakeTier(Tier.REDIS)
     world = await make(redis=redis)
     world.on_disk(0, 1)
@@ -226,6 +226,18 @@ async def test_an_engine_that_reads_disk_files_itself_gets_only_redis_hits_read_
     await world.reads_ended()
     # A hit with Redis chunks is read ahead whole (its disk chunks come along with the Redis one).
     assert redis.gets == [world.key(2)] and world.counts["leases"] == 1
+
+
+async def test_an_engine_that_reads_disk_files_itself_gets_object_hits_read_ahead(make) -> None:
+    store = FakeTier(Tier.OBJECT)
+    world = await make(redis=store)
+    for i in (0, 1):
+        store.data[world.key(i)] = payload(H[i])
+    answer = await world.lookup([0, 1], "r", direct_disk=True)
+    assert answer.tiers == Tier.OBJECT
+    await world.reads_ended()
+    assert store.gets == [world.key(0), world.key(1)] and world.counts["leases"] == 1
+    assert world.held(0) and world.held(1) and world.service.metrics.calls["stage"] == 0
 
 
 async def test_a_lease_released_while_reading_ahead_keeps_no_slot_and_no_pin(make) -> None:
