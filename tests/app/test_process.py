@@ -152,17 +152,21 @@ def test_kvtier_stats_without_a_service_fails_cleanly(tmp_path: Path) -> None:
     assert out.returncode == 1 and "none.sock" in out.stderr and not out.stdout
 
 
-async def test_the_parents_exit_is_reported_once_though_its_pidfd_stays_readable() -> None:
+def test_the_parents_exit_is_reported_once_though_its_pidfd_stays_readable() -> None:
     from kvtier.app.server import watch_exit
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     pidfd = os.pidfd_open(child.pid)
-    try:
-        child.wait(30)
-        calls: list[int] = []
+    calls: list[int] = []
+
+    async def turns() -> None:
         watch_exit(asyncio.get_running_loop(), pidfd, lambda: calls.append(1))
         for _ in range(20):  # turns of the loop: a reader still registered would run on each
             await asyncio.sleep(0)
-        assert calls == [1]
+
+    try:
+        child.wait(30)
+        asyncio.run(turns())
     finally:
         os.close(pidfd)
+    assert calls == [1]
