@@ -116,13 +116,19 @@ async def test_cancel_skips_a_queued_write_and_undoes_a_running_one() -> None:
     await h.wb.close(1.0)
 
 
-async def test_give_up_ends_queued_writes_oldest_first_never_a_running_one() -> None:
+async def _one_running_three_queued() -> tuple[FakeTier, Harness]:
+    """Four writes offered to one worker whose tier holds the first put: 0 runs, 1-3 are queued."""
     tier = FakeTier()
     tier.put_gate = asyncio.Event()
     h = Harness([tier], workers=1)
     for i in range(4):
         h.offer(i)
-    await tier.put_started.wait()  # 0 is being written, 1-3 are queued
+    await tier.put_started.wait()
+    return tier, h
+
+
+async def test_give_up_ends_queued_writes_oldest_first_never_a_running_one() -> None:
+    tier, h = await _one_running_three_queued()
     assert h.wb.give_up(2 * SIZE, lambda slot: slot.length) == 2 * SIZE
     assert h.done == [key(1), key(2)] and h.unwritten == [key(1), key(2)]
     assert h.wb.yielded == 2 and h.wb.dropped == 0 and h.wb.depth == 2
@@ -140,12 +146,7 @@ async def test_give_up_ends_queued_writes_oldest_first_never_a_running_one() -> 
 
 
 async def test_give_up_skips_slots_it_would_not_free() -> None:
-    tier = FakeTier()
-    tier.put_gate = asyncio.Event()
-    h = Harness([tier], workers=1)
-    for i in range(4):
-        h.offer(i)
-    await tier.put_started.wait()  # 0 is being written, 1-3 are queued
+    tier, h = await _one_running_three_queued()
     held = SlotRef(1 * SIZE, SIZE)  # as a chunk a lease also pins
     assert h.wb.give_up(SIZE, lambda slot: 0 if slot == held else slot.length) == SIZE
     assert h.done == [key(2)] and h.wb.pending(key(1))
