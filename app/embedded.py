@@ -354,6 +354,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, state: Path, token: s
                 f"the kvtier service exited with status {proc.returncode} while starting "
                 "(its log is on this process's stderr)"
             )
+        if proc.returncode == 0 and died_detached(proc.pid, state):
+            raise EmbeddedError(
+                "the kvtier service died right after it detached, before it answered "
+                "(its log is on this process's stderr)"
+            )
         time.sleep(0.02)
     # Its process group: the process spawned and the service it may have forked (app/daemon.py).
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -361,6 +366,13 @@ def _wait_ready(proc: subprocess.Popen[bytes], sock: Path, state: Path, token: s
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(STALE_WAIT_S)
     raise EmbeddedError(f"the kvtier service did not serve on {sock} within {timeout:.0f}s; killed it")
+
+
+def died_detached(spawned: int, state: Path) -> bool:
+    """Whether the service that the process spawned (pid spawned) forked away, and recorded in its
+    state file before it listened, is dead: a start that can no longer serve, known at once."""
+    recorded = _recorded(state)
+    return recorded is not None and recorded[0] not in (0, spawned) and not _pid_alive(recorded[0])
 
 
 def _wait_detached(proc: subprocess.Popen[bytes], state: Path, deadline: float) -> None:

@@ -18,6 +18,7 @@ from kvtier.app.embedded import (
     Respawner,
     _locked,
     clean_stale,
+    died_detached,
     ensure_service,
     paths_for,
     service_env,
@@ -166,6 +167,22 @@ def test_a_respawn_that_does_not_serve_in_time_is_killed_counted_and_tried_again
     finally:
         _stop_service(state)
     assert not sock.exists() and not state.exists()
+
+
+def test_a_start_whose_detached_service_died_is_known_at_once(tmp_path: Path) -> None:
+    """A service killed after it detached (its state file written) but before it answered: the
+    spawner need not wait out its start-up timeout."""
+    state = tmp_path / "e.json"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    spawned = 12345  # the process that forked the service away and exited
+    assert not died_detached(spawned, state), "no state file yet: still starting"
+    state.write_text(json.dumps({"pid": dead.pid, "arena": ""}))
+    assert died_detached(spawned, state)
+    state.write_text(json.dumps({"pid": os.getpid(), "arena": ""}))
+    assert not died_detached(spawned, state), "alive"
+    state.write_text(json.dumps({"pid": spawned, "arena": ""}))
+    assert not died_detached(spawned, state), "not detached: the process spawned is the service"
 
 
 def test_concurrent_engine_processes_start_exactly_one_service(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ pytestmark = pytest.mark.e2e
 
 CHUNK = 64
 KILLS = 3
+RESPAWNS = "vllm:kvtier_service_respawns_total"  # respawns that brought a serving service up
 RESPAWN_BOUND_S = 20.0  # a liveness bound: a service that never serves again fails here, not later
 CONCURRENCY = 4
 MAX_TOKENS = 8
@@ -142,6 +143,7 @@ def _kill_and_respawn(server: OpenAIServer, admin: int, winner: int, others: Seq
     """SIGKILL the engine's service while every process but `winner` is stopped; the seconds until a
     service that `winner` started serves."""
     (old,) = service_pids(server.proc.pid)
+    respawns = metric_total(server.metrics(), RESPAWNS)
     for pid in others:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -159,6 +161,10 @@ def _kill_and_respawn(server: OpenAIServer, admin: int, winner: int, others: Seq
             os.kill(pid, signal.SIGCONT)
     assert not alive(old)
     assert _spawner(new) == winner, f"service {new} was started by {_spawner(new)}, not {winner}"
+    # The winner counts its respawn once its own probe sees the service: until then the next kill
+    # would land in the middle of this respawn's start, a different case.
+    counted = lambda: metric_total(server.metrics(), RESPAWNS) > respawns  # noqa: E731
+    wait_for(counted, 60, "the winner to count its respawn")
     return elapsed
 
 
@@ -224,7 +230,7 @@ def _run_kills(
             done = load.done
             wait_for(lambda: load.progressed(done, 4), 120, "the load to go on after the last restart")
         hits, answers = _probe_hits(server, admin)
-        respawns = metric_total(server.metrics(), "vllm:kvtier_service_respawns_total")
+        respawns = metric_total(server.metrics(), RESPAWNS)
         failures = metric_total(server.metrics(), "vllm:kvtier_service_respawn_failures_total")
     finally:
         stop(server)
