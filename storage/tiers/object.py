@@ -89,6 +89,16 @@ def build_blob(
     return blob
 
 
+async def _absent_as_none(call: Awaitable[T]) -> T | None:
+    """The call's result, or None when the store says the object is not there."""
+    try:
+        return await call
+    except FileNotFoundError as exc:
+        if is_missing(exc):
+            return None
+        raise
+
+
 class ObjectTier:
     """LowerTier over an S3 bucket and prefix; every failure is a counted miss, never an exception."""
 
@@ -280,12 +290,10 @@ class ObjectTier:
     async def _load(self, key: ChunkKey, dest: memoryview) -> Outcome | None:
         """Stream key's object into dest, verified piece by piece on this loop as it arrives (each
         piece's copy and hash take well under a millisecond); None when it is not there."""
-        try:
-            size, pieces = await self.client.get_stream(object_path(key), _PIECE)
-        except FileNotFoundError as exc:
-            if is_missing(exc):
-                return None
-            raise
+        got = await _absent_as_none(self.client.get_stream(object_path(key), _PIECE))
+        if got is None:
+            return None
+        size, pieces = got
         sink = BlobSink(key, dest, size, self.signer)
         async for piece in pieces:
             decided = sink.feed(piece)
@@ -295,15 +303,7 @@ class ObjectTier:
 
     async def _fetch_range(self, path: str, start: int, end: int) -> Buffer | bool | None:
         """One ranged GET under the breaker and timeout: the bytes, None when gone, False on failure."""
-        return await self._call(lambda: self._fetch_span(path, start, end), False)
-
-    async def _fetch_span(self, path: str, start: int, end: int) -> Buffer | None:
-        try:
-            return await self.client.get_range(path, start, end)
-        except FileNotFoundError as exc:
-            if is_missing(exc):
-                return None
-            raise
+        return await self._call(lambda: _absent_as_none(self.client.get_range(path, start, end)), False)
 
     async def _delete_paths(self, paths: list[str]) -> bool:
         await self.client.delete(paths)
