@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvtier.bench.harness import kv_transfer_config, make_prompt
 from tests.e2e.service import REPO
+from tests.support.warm import run_module
 
 pytestmark = pytest.mark.e2e
 
@@ -53,16 +52,9 @@ def _engine_log(model: str, shm: Path, **kvtier_env: str) -> str:
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.update(PYTHONPATH=str(REPO), KVTIER_SERVICE_HOST="10.0.0.1", **kvtier_env)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    done = run_module("tests.e2e.engine_script", [json.dumps(job)], env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def test_kvtier_lines_are_in_vllms_log_at_kvtiers_level(tiny_model: str, tmp_path: Path) -> None:

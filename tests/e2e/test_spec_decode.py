@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 from kvtier.bench.harness import Outputs, generate, kv_transfer_config, make_prompt, metric, running_engine
 from tests.app import wait_until
 from tests.e2e.service import REPO, running_service
+from tests.support.warm import run_module
 
 pytestmark = pytest.mark.e2e
 
@@ -76,20 +76,14 @@ def both_rounds(model: str, service_url: str | None) -> dict[str, Any]:
 
 
 def in_fresh_process(model: str, service_url: str | None = None) -> dict[str, Any]:
-    """both_rounds in a new Python process: after an ngram engine has imported numba, vLLM 0.32's CPU
+    """both_rounds in a process of its own: after an ngram engine has imported numba, vLLM 0.32's CPU
     build fails to start any later engine in that process (its kernel override scan reads llvmlite's
     library wrapper), so no speculative engine runs inside the test process."""
     job = json.dumps({"model": model, "service_url": service_url})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.test_spec_decode", job],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = run_module("tests.e2e.test_spec_decode", [job], env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def test_ngram_speculation_keeps_outputs_and_loads_decoded_chunks(tiny_model: str, tmp_path: Path) -> None:

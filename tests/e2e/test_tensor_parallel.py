@@ -2,7 +2,7 @@
 namespace, a chunk is a hit only when every rank holds it, and a rank that misses a chunk the other
 holds reports exactly its blocks; outputs equal the same TP=2 engine's without kvtier.
 
-The engines run in a fresh process (this module's ``main``): a TP=2 engine's workers are spawned
+The engines run in a process of their own (this module's ``main``): a TP=2 engine's workers are
 processes that need the CPU build's thread binding in the environment from the start.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 from kvtier.storage.base import Tier
 from tests.e2e.service import REPO, running_service
+from tests.support.warm import run_module
 
 pytestmark = pytest.mark.e2e
 
@@ -59,19 +59,13 @@ def test_two_ranks_store_and_load_their_own_shards_and_recover_a_one_rank_miss(
 
 
 def _in_a_fresh_process(job: dict[str, Any]) -> dict[str, Any]:
-    """Run _run(job) in a new Python process with the TP environment; its JSON result."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.test_tensor_parallel", json.dumps(job)],
-        cwd=REPO,
-        env={**os.environ, **TP_ENV, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """Run _run(job) in a process of its own with the TP environment; its JSON result."""
+    env = {**os.environ, **TP_ENV, "PYTHONPATH": str(REPO)}
+    done = run_module("tests.e2e.test_tensor_parallel", [json.dumps(job)], env, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
     # The degraded mode logs what it caught of kvtier's own at ERROR, in the scheduler and each worker.
-    assert "kvtier caught an unexpected error" not in proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "kvtier caught an unexpected error" not in done.stdout + done.stderr
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 # ------------------------------------------------------------------------------ the engine side

@@ -1,4 +1,4 @@
-"""Helpers for the load and crash tests: vLLM's OpenAI server on the CPU build in a subprocess, a
+"""Helpers for the load and crash tests: vLLM's OpenAI server on the CPU build in a process of its own, a
 threaded completions client, Prometheus text parsing, and /proc inspection for leak checks.
 
 Standard library only (http.client, threads). Servers start in their own process group and are
@@ -27,6 +27,7 @@ from typing import Any
 from kvtier.bench.harness import make_prompt
 from kvtier.bench.ports import free_port
 from tests.support.leak_check import descendants
+from tests.support.warm import WarmProcess, start_server
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300.0
@@ -60,7 +61,7 @@ class OpenAIServer:
 
     name: str
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | WarmProcess
     log_path: Path
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -122,10 +123,7 @@ def launch(
     env.update(env_overrides or {})
     log_path = workdir / f"vllm-{name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            cwd=REPO, start_new_session=True,
-        )  # fmt: skip
+        proc = start_server(argv[2], argv[3:], env, log.fileno())
     return OpenAIServer(name, port, proc, log_path)
 
 
