@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvtier.bench.all import RESULTS
 from kvtier.bench.demo import stop_server
@@ -141,6 +141,14 @@ def environment(work: Path) -> dict[str, str]:
     return env
 
 
+def start_process(argv: list[str], log: BinaryIO, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start one of the benchmark's processes (`python -m MODULE ...`: a server or vLLM's client) in a
+    session of its own, both streams to log."""
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+
+
 @contextlib.contextmanager
 def running_server(
     name: str, argv: list[str], port: int, work: Path, env: dict[str, str] | None = None
@@ -149,10 +157,7 @@ def running_server(
     process group on every path."""
     log_path = work / f"vllm-{name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env if env is not None else environment(work), start_new_session=True,
-        )  # fmt: skip
+        proc = start_process(argv, log, env if env is not None else environment(work))
     server = Server(name, port, proc, log_path)
     try:
         _wait_ready(server)
@@ -227,14 +232,16 @@ def run_client(
     result, prompts = work / f"result-{server.name}.json", work / f"prompts-{server.name}.json"
     log_path = work / f"client-{server.name}.log"
     with open(log_path, "wb") as log:
-        done = subprocess.run(
-            client_argv(server.port, model, workload, result, prompts), stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environment(work),
-            timeout=CLIENT_TIMEOUT_S, check=False,
-        )  # fmt: skip
+        proc = start_process(
+            client_argv(server.port, model, workload, result, prompts), log, environment(work)
+        )
+    try:
+        returncode = proc.wait(CLIENT_TIMEOUT_S)
+    finally:
+        stop_server(proc)  # nothing to stop once it has ended; its whole group when it timed out
     tail = log_path.read_text(errors="replace")[-3000:]
-    if done.returncode != 0 or not result.exists():
-        raise RuntimeError(f"{server.name}: vllm bench serve exited with {done.returncode}:\n{tail}")
+    if returncode != 0 or not result.exists():
+        raise RuntimeError(f"{server.name}: vllm bench serve exited with {returncode}:\n{tail}")
     data: dict[str, Any] = json.loads(result.read_text())
     if data.get("failed") or data.get("completed") != workload.num_prompts:
         errors = sorted({e for e in data.get("errors", []) if e})[:3]

@@ -5,8 +5,9 @@ and (e2e) a `--quick` run end to end against vLLM's OpenAI server on the CPU bui
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -28,6 +29,7 @@ from kvtier.bench.serve_plan import (
     spread,
     summarize,
 )
+from tests.support.warm import WarmProcess, start_server
 
 
 # ------------------------------------------------------------------------------ sizing
@@ -300,6 +302,11 @@ def test_results_go_to_the_working_directory_never_beside_the_package(
 
 
 # ------------------------------------------------------------------------------ end to end
+def _warm_process(argv: list[str], log: BinaryIO, env: dict[str, str]) -> WarmProcess:
+    assert argv[:2] == [sys.executable, "-m"], argv
+    return start_server(argv[2], argv[3:], env, log.fileno())
+
+
 def _check_section(section: dict[str, Any], requests: int) -> None:
     for key in ("throughput_ratio_vs_prefix_cache", "throughput_ratio_vs_ceiling"):
         assert isinstance(section[key], float) and section[key] > 0
@@ -322,7 +329,12 @@ def _check_section(section: dict[str, Any], requests: int) -> None:
 
 
 @pytest.mark.e2e
-def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quick_run_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The servers and clients fork from the tests' warm starter instead of importing vLLM afresh
+    # each: what this test checks is the benchmark's flow and figures, not a process's start-up.
+    monkeypatch.setattr(serve, "start_process", _warm_process)
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"storage": {"kept": True}}))
     assert serve.main(["--quick", "--runs", "1", "--json", "--out", str(out)]) == 0
