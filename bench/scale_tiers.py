@@ -7,7 +7,7 @@ Each tier is filled to the size under test, then measured ``repeats`` times:
   of 16 prompts at random places in the tier looked up round and round (the same working set of
   1,024 chunks at every size); ``lookup_spread_us``: the same over 1,024 prompts (65,536 chunks, or
   the whole tier when smaller), a working set larger than the CPU's caches. CPU: ``prefix`` then
-  ``touch_entries`` (the index probe and the LRU update a store's lookup makes); disk and object:
+  ``touch_entries`` (the index probe and the recency update a store's lookup makes); disk and object:
   ``contains_many`` / the index's ``find`` and ``touch``; Redis: ``contains_many`` (one pipeline of
   64 EXISTS on a real redis-server).
 - ``commit_us``: 64-chunk commits of new chunks into free room (CPU: ``reserve_many`` +

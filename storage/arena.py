@@ -22,6 +22,11 @@ import secrets
 import stat
 import threading
 import time
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import itemgetter, setitem
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,9 @@ _POPULATE_STEP = 4 << 20  # bytes per madvise call: short enough to stop promptl
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _STALE_AGE_S = 10.0  # a '.creating' file this young may belong to a service starting right now
+_offset_of = itemgetter(0)  # of a SlotRef
+_length_of = itemgetter(1)  # of a SlotRef
+_new_tuple = tuple.__new__  # a SlotRef without its Python-level __new__
 
 
 def _load_madvise() -> Any:
@@ -343,7 +351,13 @@ def reap_stale_arenas(directory: str | os.PathLike[str], min_age_s: float = _STA
 
 # -------------------------------------------------------------------------------- allocator
 class SlotAllocator:
-    """Best-fit free-extent allocator over ``[0, size)`` with PAGE alignment and coalescing."""
+    """Best-fit free-extent allocator over ``[0, size)`` with PAGE alignment and coalescing; each
+    allocated slot has a dense id (1, 2, ...; reused once freed) naming its offset and length.
+
+    A slot is *open* from alloc() until it is given back (free) or claimed (claim: the CPU tier
+    took it over, and names it by its id from then on, until release). Only open slots are found by
+    offset: a claimed slot's id is its owner's to keep, so no map from offset to id is kept for it.
+    """
 
     def __init__(self, size: int, align: int = PAGE) -> None:
         if align <= 0 or align & (align - 1):
@@ -352,8 +366,14 @@ class SlotAllocator:
         self.capacity = size // align * align
         self._free_offsets: list[int] = [0] if self.capacity else []
         self._free_len: dict[int, int] = {0: self.capacity} if self.capacity else {}
-        self._used: dict[int, SlotRef] = {}
+        # By slot id (id 0 is never handed out): arrays, not an object per slot.
+        self.offsets = array("q", [0])
+        self.lengths = array("q", [0])
+        self._spare_ids: list[int] = []  # ids of freed slots, the last freed reused first
+        self._open: dict[int, int] = {}  # offset -> id of each open slot
+        self._in_use = 0
         self._used_bytes = 0
+        self._lengths_seen: set[int] = set()  # every length ever allocated (one, usually)
 
     @property
     def used_bytes(self) -> int:
@@ -367,15 +387,27 @@ class SlotAllocator:
 
     @property
     def slots_in_use(self) -> int:
-        """Allocated slots."""
-        return len(self._used)
+        """Allocated slots (open or claimed)."""
+        return self._in_use
+
+    @property
+    def id_limit(self) -> int:
+        """One more than the largest slot id handed out so far."""
+        return len(self.offsets)
+
+    @property
+    def one_length(self) -> int | None:
+        """The length of every slot ever allocated, when they all had one (then a batch of slots
+        needs no read of their lengths), else None."""
+        seen = self._lengths_seen
+        return next(iter(seen)) if len(seen) == 1 else None
 
     def extent(self, length: int) -> int:
         """Bytes a slot of length occupies."""
         return align_up(max(length, 1), self.align)
 
     def alloc(self, length: int) -> SlotRef | None:
-        """A slot of exactly length bytes at an aligned offset, or None when no extent fits."""
+        """An open slot of exactly length bytes at an aligned offset, or None when no extent fits."""
         need = self.extent(length)
         best = -1
         best_len = 0
@@ -394,21 +426,126 @@ class SlotAllocator:
             rest = best + need
             self._free_offsets.insert(idx, rest)
             self._free_len[rest] = best_len - need
-        slot = SlotRef(best, length)
-        self._used[best] = slot
+        self._lengths_seen.add(length)
+        if self._spare_ids:
+            sid = self._spare_ids.pop()
+            self.offsets[sid] = best
+            self.lengths[sid] = length
+        else:
+            sid = len(self.offsets)
+            self.offsets.append(best)
+            self.lengths.append(length)
+        self._open[best] = sid
+        self._in_use += 1
         self._used_bytes += need
-        return slot
+        return SlotRef(best, length)
+
+    def alloc_many(self, length: int, count: int) -> list[SlotRef]:
+        """Up to count open slots of length bytes, as that many alloc() calls would give them, until
+        one fails: in C-level passes per free extent they are cut from.
+
+        The extent alloc() picks is the smallest that fits, so what is left of it after a cut is
+        smaller than every other extent that fits: the calls that follow cut from it too, as long
+        as it holds a slot.
+        """
+        need = self.extent(length)
+        out: list[SlotRef] = []
+        self._lengths_seen.add(length)
+        while len(out) < count:
+            best, best_len = -1, 0
+            for off in self._free_offsets:  # best fit; ties go to the lowest offset
+                ext = self._free_len[off]
+                if need <= ext and (best < 0 or ext < best_len):
+                    best, best_len = off, ext
+                    if ext == need:
+                        break
+            if best < 0:
+                break
+            k = min(count - len(out), best_len // need)
+            idx = bisect.bisect_left(self._free_offsets, best)
+            del self._free_offsets[idx]
+            del self._free_len[best]
+            if best_len > k * need:
+                rest = best + k * need
+                self._free_offsets.insert(idx, rest)
+                self._free_len[rest] = best_len - k * need
+            offsets = range(best, best + k * need, need)
+            out += map(_new_tuple, repeat(SlotRef), zip(offsets, repeat(length)))
+            self._open.update(zip(offsets, self._new_ids(offsets, length), strict=True))
+            self._in_use += k
+            self._used_bytes += k * need
+        return out
+
+    def _new_ids(self, offsets: Sequence[int], length: int) -> list[int]:
+        """Ids for new slots at these offsets, of one length: freed ids first (the last freed first)."""
+        spare, k = self._spare_ids, len(offsets)
+        reused = spare[: -k - 1 : -1] if k <= len(spare) else spare[::-1]
+        del spare[len(spare) - len(reused) :]
+        deque(map(setitem, repeat(self.offsets), reused, offsets), maxlen=0)
+        deque(map(setitem, repeat(self.lengths), reused, repeat(length)), maxlen=0)
+        first = len(self.offsets)
+        self.offsets.extend(offsets[len(reused) :])
+        self.lengths.extend(repeat(length, k - len(reused)))
+        return reused + list(range(first, len(self.offsets)))
 
     def is_allocated(self, slot: SlotRef) -> bool:
-        """True when slot is exactly an allocated slot."""
-        return self._used.get(slot.offset) == slot
+        """True when slot is exactly an open slot (allocated, not claimed)."""
+        sid = self._open.get(slot.offset)
+        return sid is not None and self.lengths[sid] == slot.length
 
-    def free(self, slot: SlotRef) -> None:
-        """Return a slot; neighbouring free extents merge. Freeing an unknown slot is a bug."""
-        if self._used.get(slot.offset) != slot:
+    def slot_of(self, sid: int) -> SlotRef:
+        """The slot that id names (open or claimed)."""
+        return SlotRef(self.offsets[sid], self.lengths[sid])
+
+    def free(self, slot: SlotRef) -> int:
+        """Give an open slot back (returns its id, now free); neighbouring free extents merge.
+        Freeing an unknown slot is a bug."""
+        if not self.is_allocated(slot):
             raise SlotStateError(f"{slot} is not an allocated slot")
-        del self._used[slot.offset]
-        off, length = slot.offset, self.extent(slot.length)
+        sid = self._open.pop(slot.offset)
+        self._release(sid)
+        return sid
+
+    def claim(self, slots: Sequence[SlotRef], length: int | None = None) -> list[int]:
+        """The ids of these open slots, which are claimed (no longer open); raises, claiming none,
+        when one is not open or is named twice. length: every slot's length, when the caller knows
+        they have one."""
+        offsets = list(map(_offset_of, slots))
+        ids: list[Any] = list(map(self._open.pop, offsets, repeat(None)))  # a repeat pops None
+        if None not in ids:
+            if length is not None and self.one_length == length:
+                ok = True  # every slot has this length
+            elif length is not None and len(ids) > 1:
+                ok = itemgetter(*ids)(self.lengths).count(length) == len(ids)
+            else:
+                ok = [self.lengths[sid] for sid in ids] == list(map(_length_of, slots))
+            if ok:
+                return ids
+        self._open.update((off, sid) for off, sid in zip(offsets, ids, strict=True) if sid is not None)
+        bad = next((s for s in slots if not self.is_allocated(s)), slots[0] if slots else None)
+        raise SlotStateError(f"{bad} is not an open slot (or is named twice)")
+
+    def reopen(self, ids: Sequence[int]) -> list[SlotRef]:
+        """Claimed slots handed on as open ones (to be filled anew); returns them."""
+        if len(ids) < 2:
+            slots = [self.slot_of(sid) for sid in ids]
+            self._open.update(zip(map(_offset_of, slots), ids, strict=True))
+            return slots
+        offsets = itemgetter(*ids)(self.offsets)
+        self._open.update(zip(offsets, ids, strict=True))
+        lengths = itemgetter(*ids)(self.lengths)
+        return list(map(_new_tuple, repeat(SlotRef), zip(offsets, lengths, strict=True)))
+
+    def release(self, ids: Iterable[int]) -> None:
+        """Give claimed slots back by id."""
+        for sid in ids:
+            self._release(sid)
+
+    def _release(self, sid: int) -> None:
+        """Free a slot's extent and its id."""
+        off, length = self.offsets[sid], self.extent(self.lengths[sid])
+        self._spare_ids.append(sid)
+        self._in_use -= 1
         self._used_bytes -= length
         idx = bisect.bisect_left(self._free_offsets, off)
         if idx < len(self._free_offsets) and self._free_offsets[idx] == off + length:

@@ -1,131 +1,105 @@
-"""LRU eviction policy by bytes: a small pure module (no I/O, no slots), owned by the tier that uses
-it.
+"""CLOCK (second chance) eviction over dense ids: a small pure module (no I/O, no slots), owned by
+the tier that uses it.
 
-The policy only keeps order and sizes. Whether an entry may go (leased, queued for a write) is the
-tier's knowledge, passed in as a predicate: the policy knows nothing of slots, leases or writes.
+The policy keeps one reference bit per id and a hand that sweeps the ids in order. A use sets the
+bit; the hand passing an id clears it, and an id the hand finds with its bit clear is a victim. So
+an id used since the hand last passed it gets a second chance: an approximation of LRU that needs
+no object and no list move per use, only a byte set (the tier's index keeps no object per chunk).
+
+Whether an id may go (stored, not pinned) and what it weighs are the tier's knowledge, passed in as
+functions over lists of ids: the policy knows nothing of slots, leases or writes.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from itertools import compress, islice, repeat
-from operator import not_
-from typing import Generic, TypeVar
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import not_, setitem
 
-K = TypeVar("K", bound=Hashable)
+# Of candidate ids (bit clear, in hand order): those that may go now, in the same order.
+EvictableFn = Callable[[list[int]], list[int]]
+# Of ids: the bytes each one frees.
+SizesFn = Callable[[list[int]], list[int]]
 
 
-class LRUPolicy(Generic[K]):
-    """Least-recently-used order of keys with their sizes in bytes."""
+class ClockPolicy:
+    """Reference bits of ids 1 .. limit-1 and the hand that sweeps them."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[K, int] = OrderedDict()  # first = least recently used
+        self.bits = bytearray(1)  # by id; id 0 is never used
+        self._hand = 1
 
-    def add(self, key: K, nbytes: int) -> None:
-        """Track key as most recently used (re-adding replaces its size)."""
-        if nbytes < 0:
-            raise ValueError(f"negative size {nbytes}")
-        self._order.pop(key, None)
-        self._order[key] = nbytes
+    @property
+    def limit(self) -> int:
+        """One more than the largest id tracked."""
+        return len(self.bits)
 
-    def touch(self, key: K) -> bool:
-        """Mark key most recently used (a hit); False when it is not tracked."""
-        if key not in self._order:
-            return False
-        self._order.move_to_end(key)
-        return True
+    def grow(self, limit: int) -> None:
+        """Track ids up to limit-1 (new ids start with their bit clear)."""
+        if limit > len(self.bits):
+            self.bits.extend(bytes(limit - len(self.bits)))
 
-    def touch_many(self, keys: Sequence[K]) -> None:
-        """touch() each key in order; keys not tracked are skipped."""
-        try:
-            # One C-level pass (map + a zero-length deque) instead of a Python call per key: the
-            # lookup of a long prompt touches every chunk it hits.
-            deque(map(self._order.move_to_end, keys), maxlen=0)
-        except KeyError:
-            # Some key is not tracked: start over one by one. Touching a key again keeps the same
-            # final order, so the keys the first pass already moved end up where they should.
-            for key in keys:
-                self.touch(key)
+    def touch(self, sid: int) -> None:
+        """Mark one id used."""
+        self.bits[sid] = 1
 
-    def add_new(self, keys: Sequence[K], nbytes: int) -> None:
-        """add() each key in order, all of nbytes size; one C-level pass when none is tracked yet."""
-        if nbytes < 0:
-            raise ValueError(f"negative size {nbytes}")
-        order = self._order
-        if len(set(keys)) != len(keys) or any(map(order.__contains__, keys)):
-            for key in keys:  # re-adding moves a key: only add() itself does that
-                self.add(key, nbytes)
-            return
-        order.update(zip(keys, repeat(nbytes)))
+    def touch_many(self, ids: Sequence[int]) -> None:
+        """Mark ids used: one C-level pass (a lookup of a long prompt touches every chunk it hits)."""
+        deque(map(setitem, repeat(self.bits), ids, repeat(1)), maxlen=0)
 
-    def remove(self, key: K) -> bool:
-        """Stop tracking key; False when it was not tracked."""
-        return self._order.pop(key, None) is not None
+    def add_new(self, ids: Sequence[int]) -> None:
+        """Start ids unused: the hand evicts them unless they are used before it comes round."""
+        deque(map(setitem, repeat(self.bits), ids, repeat(0)), maxlen=0)
 
-    def remove_many(self, keys: Iterable[K]) -> None:
-        """Stop tracking keys, every one of them tracked (KeyError otherwise)."""
-        deque(map(self._order.pop, keys), maxlen=0)
+    def victims(self, need_bytes: int, unit: int, evictable: EvictableFn, sizes: SizesFn) -> list[int]:
+        """Ids the hand picks, in its order, whose sizes add up to need_bytes; [] when they cannot.
 
-    def victims(self, need_bytes: int, pinned: Callable[[K], object]) -> list[K]:
-        """LRU-first unpinned keys whose sizes add up to need_bytes; [] when they cannot.
-
-        pinned(key) is true for a key that must stay. Nothing is removed: the caller evicts the
-        victims and calls remove() for each. Pinned keys the scan walks past are in use, so they
-        count as recently used: moving them to the end keeps the next scan from walking past them
-        again (without it, a full arena of leased chunks made every reserve scan them all).
+        unit: the size a victim usually has (to size the hand's steps). Nothing is removed: the
+        caller evicts every victim. The hand moves on past the last victim, clearing the bits it
+        passes; it walks at most twice round (one round clears every bit, the next finds every id
+        that may go), so a call that cannot be met still ends.
         """
-        if need_bytes <= 0:
+        limit = len(self.bits)
+        if need_bytes <= 0 or limit <= 1:
             return []
-        head = self._head_victims(need_bytes, pinned)
-        if head is not None:
-            return head
-        chosen: list[K] = []
-        skipped: list[K] = []
-        freed = 0
-        for key, nbytes in self._order.items():
-            if pinned(key):
-                skipped.append(key)
-                continue
-            chosen.append(key)
-            freed += nbytes
-            if freed >= need_bytes:
-                break
-        for key in skipped:
-            self._order.move_to_end(key)
+        bits, hand = self.bits, self._hand
+        chosen: list[int] = []
+        freed, walked, budget = 0, 0, 2 * (limit - 1)
+        extra = 0  # grows while windows fall short: a sweep past many pinned ids takes few steps
+        while freed < need_bytes and walked < budget:
+            if hand >= limit:
+                hand = 1
+            want = -(-(need_bytes - freed) // max(unit, 1)) + extra
+            end = min(limit, hand + want + (want >> 2) + 8)
+            # Ids with their bit clear, in order: C-level passes over the window's bytes.
+            cands = list(compress(range(hand, end), map(not_, bits[hand:end])))
+            if len(cands) > want:  # enough if all may go: the window ends before the next one
+                end = cands[want]
+                del cands[want:]
+            extra = 2 * extra + 8
+            stop = end
+            ok = evictable(cands)
+            if chosen and walked + (end - hand) > limit - 1:  # round again: not the same ids twice
+                picked = set(chosen)
+                ok = [sid for sid in ok if sid not in picked]
+            if ok:
+                got = sizes(ok)
+                if got.count(got[0]) == len(got) and got[0] > 0:  # one size: how many is computed
+                    take = min(len(ok), -(-(need_bytes - freed) // got[0]))
+                    freed += take * got[0]
+                else:
+                    take = 0
+                    for size in got:
+                        take += 1
+                        freed += size
+                        if freed >= need_bytes:
+                            break
+                chosen += ok[:take]
+                if freed >= need_bytes:
+                    stop = ok[take - 1] + 1
+            bits[hand:stop] = bytes(stop - hand)  # their second chance is used up
+            walked += stop - hand
+            hand = stop
+        self._hand = hand
         return chosen if freed >= need_bytes else []
-
-    def _head_victims(self, need_bytes: int, pinned: Callable[[K], object]) -> list[K] | None:
-        """victims() in C-level passes over the least recently used keys, when they are of one size
-        (a full arena of one chunk size); None when the scan must decide. A C-level predicate
-        (operator.attrgetter) keeps it free of Python frames."""
-        order = self._order
-        if not order:
-            return None
-        size = next(iter(order.values()))
-        if size <= 0:
-            return None
-        count = -(-need_bytes // size)
-        keys = iter(order)
-        head: list[K] = []
-        free: list[bool] = []  # per key of head: not pinned
-        have, step = 0, count
-        while have < count:  # read on until head holds count unpinned keys
-            more = list(islice(keys, step))
-            if not more:
-                return None  # too few unpinned keys in all: the scan decides (and reorders)
-            flags = list(map(not_, map(pinned, more)))
-            head += more
-            free += flags
-            have += flags.count(True)
-            step = 2 * (count - have)
-        if have == len(head):  # the usual case: nothing pinned in the way
-            chosen, stop = head[:count], count
-        else:
-            stop = list(compress(range(len(head)), free))[count - 1] + 1
-            chosen = list(compress(head[:stop], free))
-        if list(map(order.__getitem__, chosen)).count(size) != count:
-            return None
-        # Pinned keys walked past count as recently used (see victims).
-        deque(map(order.move_to_end, list(compress(head[:stop], map(not_, free)))), maxlen=0)
-        return chosen

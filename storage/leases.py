@@ -10,14 +10,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvtier.storage.base import ChunkKey, SlotList, Tier
-
-if TYPE_CHECKING:
-    from kvtier.storage.tiers.cpu import CpuEntry
 
 Clock = Callable[[], float]
 
@@ -26,7 +22,7 @@ class Lease(msgspec.Struct, eq=False):
     """The chunks one lookup found: per index its key, the tier that held it and the pins taken.
 
     ``pinned[i]`` is the CPU chunk this lease pins for chunk i (a CPU hit, or a promoted lower-tier
-    hit), kept as the CPU tier's entry so that unpinning needs no lookup; ``lower_pinned[i]`` says
+    hit), kept as its CPU tier slot id so that unpinning needs no lookup; ``lower_pinned[i]`` says
     whether chunk i is pinned in its lower tier instead. (A msgspec Struct, not a dataclass: made
     in C, and every lookup makes one.)
     """
@@ -34,7 +30,7 @@ class Lease(msgspec.Struct, eq=False):
     lease_id: str
     keys: list[ChunkKey]
     tiers: list[Tier]
-    pinned: list[CpuEntry | None]
+    pinned: list[int | None]
     lower_pinned: list[bool]
     expires_at: float
     failed: set[int] = msgspec.field(default_factory=set)
@@ -64,7 +60,7 @@ class LeaseTable:
         lease_id: str,
         keys: list[ChunkKey],
         tiers: list[Tier],
-        pinned: list[CpuEntry | None],
+        pinned: list[int | None],
         lower_pinned: list[bool],
         slots: SlotList | None = None,
     ) -> Lease:

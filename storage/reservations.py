@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from kvtier.storage.base import ChunkKey, SlotRef, SlotStateError
 from kvtier.storage.keys import chunk_keys
-from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
+from kvtier.storage.tiers.cpu import CpuTier, SlotId
 from kvtier.storage.writeback import WriteBack
 
 # C-level getters for map() over tuples: no bytecode per chunk.
@@ -70,7 +70,7 @@ class Reservations:
         self.dropped += sum(1 for key in again if out[wanted[key]] is None)
         return out
 
-    def _all_new(self, keys: list[ChunkKey], stored: list[CpuEntry | None]) -> bool:
+    def _all_new(self, keys: list[ChunkKey], stored: list[SlotId | None]) -> bool:
         """True when no key is stored, reserved, queued for a write or asked for twice (a save)."""
         if stored.count(None) != len(keys) or len(set(keys)) != len(keys):
             return False
@@ -108,10 +108,10 @@ class Reservations:
         keys = self._check_reserved(slots, namespace, hashes)
         self._unreserve(slots)
         # Reserved slots are allocated and uncommitted: checked.
-        entries = self._cpu.commit_many(keys, slots, checked=True, covered=covered)
+        ids = self._cpu.commit_many(keys, slots, checked=True, covered=covered)
         if self._write_through:
-            for entry in entries:
-                self.persist(entry)
+            for sid in ids:
+                self.persist(sid)
 
     def abort(self, slots: list[SlotRef]) -> None:
         """Give reserved slots back unfilled."""
@@ -163,22 +163,23 @@ class Reservations:
         deque(map(self._reserving.__delitem__, map(_first, found)), maxlen=0)
 
     # ------------------------------------------------------------------------------ write policy
-    def persist(self, entry: CpuEntry | None) -> None:
-        """Queue a CPU chunk for the lower tiers once; its slot stays pinned until written (the
-        write-behind queue's done callback unpins it)."""
-        if entry is None or entry.persisted or self._writeback is None:
+    def persist(self, sid: SlotId | None) -> None:
+        """Queue a CPU chunk (an indexed one's slot id) for the lower tiers once; its slot stays
+        pinned until written (the write-behind queue's done callback unpins it)."""
+        cpu = self._cpu
+        if sid is None or self._writeback is None or cpu.persisted(sid):
             return
-        self._cpu.pin(entry.slot)
-        if self._writeback.offer(entry.key, entry.slot, entry.covered):
-            entry.persisted = True
+        slot = cpu.pin_slot(sid)
+        if self._writeback.offer(cpu.key_of(sid), slot, cpu.covered_of(sid)):
+            cpu.set_persisted(sid)
         else:
-            self._cpu.unpin(entry.slot)
+            cpu.unpin(slot)
 
-    def persist_all(self, entries: Sequence[CpuEntry]) -> None:
-        """persist() each entry: the 'on_reuse' trigger of a hit, which also retries a dropped write."""
-        if self._writeback is not None:
-            for entry in entries:
-                self.persist(entry)
+    def persist_all(self, ids: Sequence[SlotId]) -> None:
+        """persist() each chunk: the 'on_reuse' trigger of a hit, which also retries a dropped write."""
+        if self._writeback is not None and not self._cpu.all_persisted(ids):
+            for sid in ids:
+                self.persist(sid)
 
 
 def _keys_match(keys: list[ChunkKey], namespace: str, hashes: list[bytes]) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvtier.storage.arena import Arena
 from kvtier.storage.base import ChunkKey, LowerTier, SlotRef, StageResult, Tier
 from kvtier.storage.leases import Lease, LeaseTable
-from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
+from kvtier.storage.tiers.cpu import CpuTier, SlotId
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Stager:
             await asyncio.wait(tasks)
         if not self._leases.is_current(lease):
             return StageResult([], [], [])  # released or replaced meanwhile: its slots are not held
-        slots = [None if e is None else e.slot for e in lease.pinned]
+        slots = [None if e is None else self._cpu.slot_of(e) for e in lease.pinned]
         return StageResult(slots, list(lease.tiers), sorted(lease.failed))
 
     def forget(self, keys: list[ChunkKey]) -> None:
@@ -141,12 +141,12 @@ class Stager:
             with contextlib.suppress(BufferError):
                 view.release()
 
-    def _adopt(self, lease: Lease, i: int, entry: CpuEntry) -> None:
+    def _adopt(self, lease: Lease, i: int, sid: SlotId) -> None:
         """Chunk i of lease now lives in a CPU slot: the lease pins it there instead of below."""
         if not self._leases.is_current(lease):
             return  # released meanwhile: its pins are gone, the promoted chunk stays unpinned
-        self._cpu.pin_entries((entry,))
-        lease.pinned[i] = entry
+        self._cpu.pin_entries([sid])
+        lease.pinned[i] = sid
         self._let_go_below(lease, i)
 
     def _fail(self, lease: Lease, i: int) -> None:

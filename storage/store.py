@@ -16,7 +16,6 @@ from typing import Any, cast
 
 from kvtier.storage.arena import Arena, SlotAllocator
 from kvtier.storage.base import (
-    NO_SLOT_PACKED,
     ArenaError,
     ArenaInfo,
     ChunkKey,
@@ -39,7 +38,7 @@ from kvtier.storage.leases import Lease, LeaseTable
 from kvtier.storage.reservations import Reservations
 from kvtier.storage.signing import Signer
 from kvtier.storage.staging import Stager
-from kvtier.storage.tiers.cpu import CpuEntry, CpuTier
+from kvtier.storage.tiers.cpu import CpuTier, SlotId
 from kvtier.storage.tiers.disk import DiskTier
 from kvtier.storage.writeback import WriteBack
 
@@ -143,7 +142,7 @@ class TieredStore:
             if self._lower and len(hits) < len(hashes):
                 return self._lookup_lower(namespace, hashes, lease_id, replaces)
             self._expire()
-            return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
+            return self._lease_cpu_prefix(chunk_bytes, lease_id, namespace, hashes, hits, replaces)
         except BaseException:
             self._end_replaced(lease_id, replaces)
             raise
@@ -154,24 +153,30 @@ class TieredStore:
             self.release(replaces)
 
     def _lease_cpu_prefix(
-        self, chunk_bytes: int, lease_id: str, hits: list[CpuEntry], asked: int, replaces: str
+        self,
+        chunk_bytes: int,
+        lease_id: str,
+        namespace: str,
+        hashes: list[bytes],
+        hits: list[SlotId],
+        replaces: str,
     ) -> LookupResult:
-        """Lease hits, the CPU entries of the leading chunks of a lookup of asked chunks (no lower
-        tier can extend them), ending the leases lease_id and replaces had; hits is a fresh list,
-        which the lease keeps.
+        """Lease hits, the CPU chunks (slot ids) of the leading hashes of a lookup (no lower tier can
+        extend them), ending the leases lease_id and replaces had; hits is a fresh list, which the
+        lease keeps.
 
         The same books as the general path, batched: a lookup of a long prompt is the service's
         hottest call, so nothing here does Python work per chunk that C can do instead.
         """
         num_hit = len(hits)
-        self._cpu.count_lookup(num_hit, num_hit * chunk_bytes, min(num_hit + 1, asked) - num_hit)
+        self._cpu.count_lookup(num_hit, num_hit * chunk_bytes, min(num_hit + 1, len(hashes)) - num_hit)
         olds = self._pop_leases(lease_id, replaces)
         if not num_hit:
             for old in olds:
                 self._unpin_lease(old)
             return LookupResult(0, [], [])
         self._saves.persist_all(hits)
-        slots = self._lease_entries(lease_id, hits, olds, chunk_bytes)
+        slots = self._lease_entries(lease_id, hits, olds, chunk_bytes, namespace, hashes)
         return LookupResult(num_hit, [_CPU] * num_hit, slots)
 
     def _pop_leases(self, lease_id: str, replaces: str) -> list[Lease]:
@@ -183,7 +188,13 @@ class TieredStore:
         return olds
 
     def _lease_entries(
-        self, lease_id: str, hits: list[CpuEntry], olds: list[Lease], chunk_bytes: int
+        self,
+        lease_id: str,
+        hits: list[SlotId],
+        olds: list[Lease],
+        chunk_bytes: int,
+        namespace: str,
+        hashes: list[bytes],
     ) -> SlotList:
         """Lease these CPU chunks under lease_id, then unpin the leases it ends (olds); returns
         their slots.
@@ -193,7 +204,7 @@ class TieredStore:
         per chunk (and its chunks' recency is renewed when the new lease ends, as it would be now),
         and so do its slots, which are the same.
         """
-        pinned: list[CpuEntry | None]
+        pinned: list[SlotId | None]
         donor = next((o for o in olds if o.pinned == hits and not any(o.lower_pinned)), None)
         slots = None
         if donor is not None:
@@ -201,11 +212,12 @@ class TieredStore:
             donor.pinned, donor.lower_pinned = [], []  # it holds nothing now: no one can unpin twice
         else:
             self._cpu.pin_entries(hits)  # before the old leases let go: shared chunks stay pinned
-            pinned, keys = cast("list[CpuEntry | None]", hits), [e.key for e in hits]
+            pinned = cast("list[SlotId | None]", hits)
+            keys = chunk_keys(namespace, hashes[: len(hits)] if len(hits) < len(hashes) else hashes)
         if slots is None:
             # Packed offsets and one length, as the service sends them: a namespace's slots are all
-            # chunk_bytes long. A comprehension: 3.11 reads a struct field faster than attrgetter.
-            slots = SlotList.from_packed(b"".join([e.packed for e in hits]), chunk_bytes)
+            # chunk_bytes long.
+            slots = SlotList.from_packed(self._cpu.packed(hits), chunk_bytes)
         n = len(hits)
         leases = self._leases
         leases.put(leases.new(lease_id, keys, [_CPU] * n, pinned, [False] * n, slots))
@@ -224,8 +236,8 @@ class TieredStore:
             self._expire()
             entries = self._cpu.entries(namespace, hashes)
             if None not in entries:  # stored meanwhile: the CPU tier decides after all
-                hits = cast("list[CpuEntry]", entries)
-                return self._lease_cpu_prefix(chunk_bytes, lease_id, hits, len(hashes), replaces)
+                hits = cast("list[SlotId]", entries)
+                return self._lease_cpu_prefix(chunk_bytes, lease_id, namespace, hashes, hits, replaces)
             return await self._lease_lower_prefix(
                 chunk_bytes, chunk_keys(namespace, hashes), lease_id, entries, replaces
             )
@@ -238,7 +250,7 @@ class TieredStore:
         chunk_bytes: int,
         keys: list[ChunkKey],
         lease_id: str,
-        entries: list[CpuEntry | None],
+        entries: list[SlotId | None],
         replaces: str,
     ) -> LookupResult:
         """Ask the lower tiers for the keys the CPU tier lacks, then lease the stored prefix."""
@@ -267,8 +279,7 @@ class TieredStore:
             self._leases.put(self._leases.new(lease_id, keys[:num_hit], hit_tiers, hits, lower_pinned))
         for old in olds:
             self._unpin_lease(old)
-        packed = b"".join([NO_SLOT_PACKED if e is None else e.packed for e in hits])
-        return LookupResult(num_hit, hit_tiers, SlotList.from_packed(packed, chunk_bytes))
+        return LookupResult(num_hit, hit_tiers, SlotList.from_packed(self._cpu.packed(hits), chunk_bytes))
 
     async def _probe_lower(self, keys: list[ChunkKey], tiers: list[Tier | None]) -> None:
         """Fill tiers[i] for keys missing so far, one batched contains_many per lower tier."""
@@ -312,10 +323,10 @@ class TieredStore:
     def _unpin_lease(self, lease: Lease) -> None:
         """Drop every pin lease holds, its chunks becoming the most recently used (see Recency in
         the module docstring); clears its books so a second call does nothing."""
-        held: list[CpuEntry] = list(filter(None, lease.pinned))  # entries are always true: C-level
+        held: list[SlotId] = list(filter(None, lease.pinned))  # slot ids are >= 1: C-level
         lease.pinned[:] = [None] * len(lease.pinned)
         self._cpu.unpin_entries(held)
-        self._cpu.touch_entries(held)  # those no longer indexed are skipped
+        self._cpu.touch_entries(held)  # a bit set on a chunk no longer indexed is harmless
         if not any(lease.lower_pinned):  # the usual lease: CPU hits only
             return
         by_tier: dict[Tier, list[ChunkKey]] = {}

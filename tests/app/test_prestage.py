@@ -137,7 +137,8 @@ async def test_a_lookup_with_stage_promotes_its_disk_hits_without_a_stage_call(m
     assert world.service.metrics.calls["stage"] == 0
     assert world.counts == {"leases": 1, "bytes": 3 * CHUNK, "skipped": 0, "errors": 0, "inflight_bytes": 0}
     # The lease pins the promoted copies now, and no longer the disk's.
-    assert [world.store.cpu.entry(world.key(i)).pins for i in range(3)] == [1, 1, 1]  # type: ignore[union-attr]
+    cpu = world.store.cpu
+    assert [cpu.pins_of(cpu.entry(world.key(i))) for i in range(3)] == [1, 1, 1]  # type: ignore[arg-type]
     assert not world.disk.pins
 
 
@@ -151,7 +152,8 @@ async def test_the_workers_stage_joins_the_reads_ahead_and_nothing_is_read_twice
     world.disk.get_gate.set()
     staged = await world.peer.reply(stage_id)
     assert isinstance(staged, p.StageOk) and staged.failed == []
-    slots = [world.store.cpu.entry(world.key(i)).slot for i in range(2)]  # type: ignore[union-attr]
+    cpu = world.store.cpu
+    slots = [cpu.slot_of(cpu.entry(world.key(i))) for i in range(2)]  # type: ignore[arg-type]
     assert staged.slots == slots
     assert world.disk.gets == [world.key(0), world.key(1)]  # one read each, however many asked
     again = await world.peer.call(lambda i: p.Stage(id=i, lease_id="r"))
@@ -253,7 +255,8 @@ async def test_a_lease_released_while_reading_ahead_keeps_no_slot_and_no_pin(mak
     stats = world.store.stats()
     assert stats.leases_active == 0
     assert stats.slots_in_use == stats.tiers["cpu"].chunks == 2  # promoted, unpinned: evictable
-    assert [world.store.cpu.entry(world.key(i)).pins for i in range(2)] == [0, 0]  # type: ignore[union-attr]
+    cpu = world.store.cpu
+    assert [cpu.pins_of(cpu.entry(world.key(i))) for i in range(2)] == [0, 0]  # type: ignore[arg-type]
     assert world.counts["errors"] == 0
 
 

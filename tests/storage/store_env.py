@@ -70,8 +70,8 @@ class Env:
 
     def slot(self, i: int) -> SlotRef | None:
         """The CPU slot of chunk i, or None."""
-        entry = self.store.cpu.entry(self.key(i))
-        return None if entry is None else entry.slot
+        sid = self.store.cpu.entry(self.key(i))
+        return None if sid is None else self.store.cpu.slot_of(sid)
 
     def read(self, slot: SlotRef | None) -> bytes:
         assert slot is not None
@@ -96,9 +96,9 @@ class Env:
         return [s is not None for s in slots]
 
     def pins(self, i: int) -> int:
-        entry = self.store.cpu.entry(self.key(i))
-        assert entry is not None
-        return entry.pins
+        sid = self.store.cpu.entry(self.key(i))
+        assert sid is not None
+        return self.store.cpu.pins_of(sid)
 
 
 def listing(path: Path) -> list[Path]:

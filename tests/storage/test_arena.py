@@ -236,3 +236,32 @@ def test_random_alloc_free_keeps_invariants(seed: int) -> None:
     for slot in live:
         alloc.free(slot)
     assert alloc.alloc(alloc.capacity) == SlotRef(0, alloc.capacity)  # all merged back
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_alloc_many_gives_what_alloc_one_by_one_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    batched, single = SlotAllocator(64 * PAGE), SlotAllocator(64 * PAGE)
+    live: list[SlotRef] = []
+    for _ in range(300):
+        if live and rng.random() < 0.5:
+            for _ in range(rng.randrange(1, 4)):
+                if live:
+                    slot = live.pop(rng.randrange(len(live)))
+                    batched.free(slot)
+                    single.free(slot)
+            continue
+        length, count = rng.choice([PAGE, 2 * PAGE + 1, 3 * PAGE]), rng.randrange(1, 9)
+        got = batched.alloc_many(length, count)
+        want: list[SlotRef] = []
+        for _ in range(count):
+            slot = single.alloc(length)
+            if slot is None:
+                break
+            want.append(slot)
+        assert got == want
+        ids = batched.claim(got)
+        assert ids == single.claim(want)  # the same ids, freed ones reused alike
+        assert batched.reopen(ids) == single.reopen(ids) == got  # open again, to be freed above
+        live += got
+        assert (batched.used_bytes, batched.slots_in_use) == (single.used_bytes, single.slots_in_use)

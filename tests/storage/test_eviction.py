@@ -1,94 +1,79 @@
-"""The pure LRU policy: order, sizes, victims by bytes, pinned keys skipped."""
+"""The pure CLOCK policy: the hand's order, second chances, sizes, ids that may not go skipped."""
 
 from __future__ import annotations
 
-import pytest
-
-from kvtier.storage.eviction import LRUPolicy
+from kvtier.storage.eviction import ClockPolicy
 
 
-def _policy(*items: tuple[str, int]) -> LRUPolicy[str]:
-    lru: LRUPolicy[str] = LRUPolicy()
-    for key, nbytes in items:
-        lru.add(key, nbytes)
-    return lru
+def _clock(n: int) -> ClockPolicy:
+    clock = ClockPolicy()
+    clock.grow(n + 1)  # ids 1..n
+    return clock
 
 
-def never(key: str) -> bool:
-    return False
+def every(ids: list[int]) -> list[int]:
+    return ids
 
 
-def test_order_and_touch() -> None:
-    lru = _policy(("a", 1), ("b", 1), ("c", 1))
-    assert lru.victims(3, never) == ["a", "b", "c"]
-    assert lru.touch("a")
-    assert lru.victims(3, never) == ["b", "c", "a"]
-    assert not lru.touch("zz")
+def ones(ids: list[int]) -> list[int]:
+    return [1] * len(ids)
 
 
-def test_sizes_follow_add_readd_remove() -> None:
-    lru = _policy(("a", 10), ("b", 20))
-    assert lru.victims(30, never) == ["a", "b"] and lru.victims(31, never) == []
-    lru.add("a", 5)  # re-adding replaces the size and makes it most recent
-    assert lru.victims(25, never) == ["b", "a"] and lru.victims(26, never) == []
-    assert lru.remove("b") and not lru.remove("b")
-    assert lru.victims(5, never) == ["a"] and lru.victims(6, never) == []
-    with pytest.raises(ValueError):
-        lru.add("x", -1)
+def test_the_hand_takes_unused_ids_in_order_and_moves_on() -> None:
+    clock = _clock(5)
+    assert clock.victims(2, 1, every, ones) == [1, 2]
+    assert clock.victims(2, 1, every, ones) == [3, 4]  # on from where it stopped
+    assert clock.victims(2, 1, every, ones) == [5, 1]  # and round
+    assert clock.victims(0, 1, every, ones) == []
 
 
-def test_victims_are_lru_first_and_just_enough() -> None:
-    lru = _policy(("a", 10), ("b", 10), ("c", 10), ("d", 10))
-    assert lru.victims(15, never) == ["a", "b"]
-    assert lru.victims(10, never) == ["a"]
-    assert lru.victims(40, never) == ["a", "b", "c", "d"]  # picking does not remove
-    assert lru.victims(0, never) == []
+def test_a_used_id_gets_one_second_chance() -> None:
+    clock = _clock(4)
+    clock.touch_many([1, 3])
+    assert clock.victims(2, 1, every, ones) == [2, 4]  # 1 and 3 passed, their bits cleared
+    assert clock.victims(1, 1, every, ones) == [1]  # next round: no chance left
+    clock.touch(2)
+    clock.add_new([3])  # a new id starts unused
+    assert clock.victims(2, 1, every, ones) == [3, 4]
 
 
-def test_victims_skip_pinned() -> None:
-    lru = _policy(("a", 10), ("b", 10), ("c", 10))
-    pinned = {"a", "c"}
-    assert lru.victims(10, pinned.__contains__) == ["b"]
-    assert lru.victims(20, pinned.__contains__) == []  # cannot be met: evict nothing
+def test_ids_that_may_not_go_are_walked_past() -> None:
+    clock = _clock(4)
+    pinned = {1, 2}
+
+    def free(ids: list[int]) -> list[int]:
+        return [i for i in ids if i not in pinned]
+
+    assert clock.victims(2, 1, free, ones) == [3, 4]
+    assert clock.victims(3, 1, free, ones) == []  # cannot be met: nothing
+    pinned.clear()
+    assert clock.victims(2, 1, free, ones) == [1, 2]
 
 
-def test_touch_protects_from_eviction() -> None:
-    lru = _policy(("a", 10), ("b", 10))
-    lru.touch("a")
-    assert lru.victims(10, never) == ["b"]
+def test_sizes_add_up_to_just_enough() -> None:
+    clock = _clock(4)
+    size = {1: 10, 2: 30, 3: 10, 4: 10}
+
+    def sizes(ids: list[int]) -> list[int]:
+        return [size[i] for i in ids]
+
+    assert clock.victims(35, 10, every, sizes) == [1, 2]
+    assert clock.victims(20, 10, every, sizes) == [3, 4]
+    assert clock.victims(61, 10, every, sizes) == []  # more than all of them
+    assert clock.victims(60, 10, every, sizes) == [1, 2, 3, 4]  # picking does not remove
 
 
-def test_batch_operations_match_one_by_one() -> None:
-    lru = _policy(("a", 1), ("b", 1), ("c", 1))
-    lru.touch_many(["a", "zz", "b"])  # an untracked key is skipped, the others move in order
-    assert lru.victims(3, never) == ["c", "a", "b"]
-    lru.add_new(["d", "e"], 4)
-    assert lru.victims(11, never) == ["c", "a", "b", "d", "e"] and lru.victims(12, never) == []
-    lru.add_new(["c", "f", "f"], 2)  # tracked or repeated keys: as add() one by one
-    assert lru.victims(14, never) == ["a", "b", "d", "e", "c", "f"] and lru.victims(15, never) == []
-    lru.remove_many(["a", "d"])
-    assert lru.victims(9, never) == ["b", "e", "c", "f"] and lru.victims(10, never) == []
-    with pytest.raises(KeyError):
-        lru.remove_many(["zz"])
-    with pytest.raises(ValueError):
-        lru.add_new(["x"], -1)
+def test_an_empty_clock_has_no_victims() -> None:
+    assert ClockPolicy().victims(1, 1, every, ones) == []
 
 
-def test_victims_walk_past_pinned_keys_as_the_scan_does() -> None:
-    # Keys of one size take the batched path: it must pick, and reorder, what the scan would.
-    sizes = [(k, 10) for k in "abcdefgh"]
-    pinned = {"a", "c", "d", "p"}
-    batched = _policy(*sizes)
-    assert batched.victims(25, pinned.__contains__) == ["b", "e", "f"]
-    # Pinned keys walked past move to the end; victims stay until the caller removes them.
-    order = batched.victims(80, never)
-    assert order == ["b", "e", "f", "g", "h", "a", "c", "d"]
-    scanned = _policy(("p", 11), *sizes)  # a first key of another size: the one-by-one scan
-    assert scanned.victims(25, pinned.__contains__) == ["b", "e", "f"]
-    assert [k for k in scanned.victims(91, never) if k != "p"] == order
+def test_a_sweep_past_many_ids_that_may_not_go_still_finds_the_one_that_may() -> None:
+    clock = _clock(50_000)
+    calls: list[int] = []
 
+    def last_only(ids: list[int]) -> list[int]:
+        calls.append(len(ids))
+        return [i for i in ids if i == 50_000]
 
-def test_victims_that_cannot_be_met_leave_the_order_to_the_scan() -> None:
-    lru = _policy(("a", 10), ("b", 10), ("c", 10))
-    assert lru.victims(30, {"b"}.__contains__) == []
-    assert lru.victims(30, never) == ["a", "c", "b"]  # the scan moved the pinned key it walked past
+    assert clock.victims(1, 1, last_only, ones) == [50_000]
+    assert len(calls) < 40  # the windows grow: not one step per id walked past

@@ -239,13 +239,17 @@ async def test_a_chunk_is_recent_when_its_lease_lets_go(make) -> None:
     at_once(env.store.lookup(env.ns, [H[0]], "a"))
     at_once(env.store.lookup(env.ns, [H[1]], "b"))
     env.store.release("b")
-    env.store.release("a")  # in use until now: 0 is the most recently used, then 1
+    env.store.release("a")  # in use until now: 0 and 1 are marked used, 2 and 3 are not
     slots = env.store.reserve(env.ns, [H[4], H[5]])
     assert None not in slots and not env.held(2) and not env.held(3)
     assert env.held(0) and env.held(1)
+    # The clock's hand cleared 0's and 1's marks as it passed: a lease of 1 that lets go marks it
+    # again, and 0, unused since, is the next to go.
+    at_once(env.store.lookup(env.ns, [H[1]], "c"))
+    env.store.release("c")
     last = env.store.reserve(env.ns, [H[6]])
     assert last[0] is not None
-    assert not env.held(1) and env.held(0)
+    assert not env.held(0) and env.held(1)
     env.store.abort([s for s in slots + last if s is not None])
 
 
