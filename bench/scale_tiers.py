@@ -16,6 +16,11 @@ Each tier is filled to the size under test, then measured ``repeats`` times:
 - ``commit_evict_us``: the same commits into a full tier, each evicting as many chunks (Redis:
   its own ``maxmemory`` LRU eviction, set to the memory used once the tier is full);
   ``evict_us`` is the difference.
+- ``commit_loop_us``, ``commit_evict_loop_us``: the same commits' CPU time on the event loop's
+  thread, per chunk: the index and the tier's own bookkeeping. Disk puts are mostly file writes on
+  the tier's idle-priority writer threads, which the wall figures include and these do not; on a
+  busy machine those threads wait for idle cores, so the wall figures measure the machine's load as
+  much as the tier. ``loop_largest_over_smallest`` holds their ratios.
 - ``index_bytes``: the Python memory the fill left allocated, per chunk (tracemalloc: every object
   the tier keeps, the chunk keys' hash bytes included, as a service decoding them off the wire would
   keep them). A resident-set delta is not used: memory a previous tier freed is reused by the next
@@ -72,6 +77,8 @@ PAYLOAD = 1024  # the disk and Redis puts' payload
 HOT_PROMPTS = 16  # prompts looked up over and over: a working set of 1,024 chunks at every size
 SPREAD_PROMPTS = 1024  # prompts at random places over the whole tier: 65,536 chunks' worth
 PHASE_S = 0.25  # seconds of lookups, and of commits, per repeat (at least)
+COSTS = ("lookup_us", "lookup_spread_us", "commit_us", "commit_evict_us")  # largest_over_smallest
+LOOP_COSTS = ("commit_loop_us", "commit_evict_loop_us")  # loop_largest_over_smallest
 
 
 def hash_of(i: int) -> bytes:
@@ -392,19 +399,24 @@ async def _time_lookups(driver: Driver, prompts: list[list[ChunkKey]], seconds: 
     return took / chunks * 1e6
 
 
-async def _time_commits(driver: Driver, fresh: Iterator[int], remove: bool, seconds: float) -> float:
-    """Microseconds per chunk of 64-chunk commits of new chunks, for seconds at least; each
-    batch removed again (untimed) when remove is set."""
-    chunks, took = 0, 0.0
+async def _time_commits(
+    driver: Driver, fresh: Iterator[int], remove: bool, seconds: float
+) -> tuple[float, float]:
+    """Microseconds per chunk of 64-chunk commits of new chunks, for seconds at least: wall time,
+    and the CPU time of this thread (the event loop's: the index and the tier's bookkeeping, not
+    the disk tier's file writes on its writer threads); each batch removed again (untimed) when
+    remove is set."""
+    chunks, took, cpu = 0, 0.0, 0.0
     while took < seconds or chunks < 4 * BATCH:
         keys = keys_of(next(fresh) * BATCH, BATCH)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         await driver.commit(keys)
         took += time.perf_counter() - t0
+        cpu += time.thread_time() - c0
         chunks += len(keys)
         if remove:
             await driver.remove(keys)
-    return took / chunks * 1e6
+    return took / chunks * 1e6, cpu / chunks * 1e6
 
 
 async def measure_driver(driver: Driver, repeats: int, seed: int, seconds: float = PHASE_S) -> dict[str, Any]:
@@ -420,10 +432,12 @@ async def measure_driver(driver: Driver, repeats: int, seed: int, seconds: float
     # The same few hot prompts at every size, then prompts spread over the whole tier.
     lookups = [await _time_lookups(driver, prompts[:HOT_PROMPTS], seconds) for _ in range(repeats)]
     spread = [await _time_lookups(driver, prompts, seconds) for _ in range(repeats)]
-    commits = [await _time_commits(driver, fresh, True, seconds) for _ in range(repeats)]
+    timed = [await _time_commits(driver, fresh, True, seconds) for _ in range(repeats)]
+    commits, commits_loop = [wall for wall, _ in timed], [loop for _, loop in timed]
     await driver.make_full()
     evicted0 = driver.evicted() if isinstance(driver, RedisDriver) else 0
-    evicting = [await _time_commits(driver, fresh, not driver.evicts, seconds) for _ in range(repeats)]
+    timed = [await _time_commits(driver, fresh, not driver.evicts, seconds) for _ in range(repeats)]
+    evicting, evicting_loop = [wall for wall, _ in timed], [loop for _, loop in timed]
     if isinstance(driver, RedisDriver):
         out["redis_evicted_keys"] = driver.evicted() - evicted0
     out["lookup_us"] = median_of(lookups)
@@ -431,6 +445,8 @@ async def measure_driver(driver: Driver, repeats: int, seed: int, seconds: float
     out["commit_us"] = median_of(commits)
     out["commit_evict_us"] = median_of(evicting)
     out["evict_us"] = median_of([e - c for e, c in zip(evicting, commits, strict=True)])
+    out["commit_loop_us"] = median_of(commits_loop)
+    out["commit_evict_loop_us"] = median_of(evicting_loop)
     return out
 
 
@@ -493,11 +509,13 @@ async def _run_tier(
         await driver.close()
 
 
-def _ratios(per_size: dict[str, dict[str, Any]], sizes: tuple[int, ...]) -> dict[str, float]:
+def _ratios(
+    per_size: dict[str, dict[str, Any]], sizes: tuple[int, ...], figures: tuple[str, ...] = COSTS
+) -> dict[str, float]:
     """Each cost at the largest size over the same cost at the smallest."""
     small, large = per_size.get(str(sizes[0]), {}), per_size.get(str(sizes[-1]), {})
     out: dict[str, float] = {}
-    for figure in ("lookup_us", "lookup_spread_us", "commit_us", "commit_evict_us"):
+    for figure in figures:
         if figure in small and figure in large and small[figure]["median"] > 0:
             out[figure] = round(large[figure]["median"] / small[figure]["median"], 3)
     return out
@@ -524,5 +542,6 @@ def measure(
                 result["tiers"][name] = {
                     "by_chunks": per_size,
                     "largest_over_smallest": _ratios(per_size, sizes),
+                    "loop_largest_over_smallest": _ratios(per_size, sizes, LOOP_COSTS),
                 }
     return result
