@@ -14,6 +14,7 @@ first steps), so hits are counted exactly on the third batch of a group, after t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -60,6 +61,7 @@ from tests.reliability.openai_load import (
     kvtier_files,
     service_pids,
 )
+from tests.support.warm import starter
 
 pytestmark = pytest.mark.e2e
 MARK = "@@kvtier-driver "
@@ -256,26 +258,29 @@ class Driver:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         env["PYTHONPATH"] = str(REPO)
         self._log = open(log, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.reliability.test_service_kill", "--driver", json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            cwd=REPO,
-        )
+        to_engine, from_engine = os.pipe(), os.pipe()  # (read end, write end) each
+        try:
+            self.proc = starter().start(
+                "tests.reliability.test_service_kill", ["--driver", json.dumps(job)], env=env, cwd=REPO,
+                stdin=to_engine[0], stdout=from_engine[1], stderr=self._log.fileno(),
+            )  # fmt: skip
+        finally:
+            os.close(to_engine[0])
+            os.close(from_engine[1])
+        self._stdin = open(to_engine[1], "wb")  # noqa: SIM115 - closed in close()
+        self._stdout = open(from_engine[0], "rb")  # noqa: SIM115 - closed by the reader at its end
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace")
-            if line.startswith(MARK):
-                self._answers.put(json.loads(line[len(MARK) :]))
-            else:  # vLLM logs to stdout: keep it beside stderr
-                self._log.write(raw)
-                self._log.flush()
+        with self._stdout:
+            for raw in self._stdout:
+                line = raw.decode(errors="replace")
+                if line.startswith(MARK):
+                    self._answers.put(json.loads(line[len(MARK) :]))
+                else:  # vLLM logs to stdout: keep it beside stderr
+                    self._log.write(raw)
+                    self._log.flush()
         self._answers.put(None)
 
     def poll(self, timeout: float) -> dict[str, Any] | None:
@@ -307,9 +312,8 @@ class Driver:
         return self.answer()
 
     def send(self, message: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(message) + "\n").encode())
-        self.proc.stdin.flush()
+        self._stdin.write((json.dumps(message) + "\n").encode())
+        self._stdin.flush()
 
     def run(self, prompts: list[list[int]]) -> Outputs:
         return Outputs(self.ask(prompts)["tokens"])
@@ -326,8 +330,10 @@ class Driver:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        with contextlib.suppress(OSError):  # the engine may be gone, with what was left unsent
+            self._stdin.close()
         self._log.close()
-        return self.proc.returncode
+        return self.proc.wait()
 
 
 def _one_service(engine_pid: int) -> int:

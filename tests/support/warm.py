@@ -123,9 +123,11 @@ class WarmStarter:
         cwd: str | os.PathLike[str],
         stdout: int,
         stderr: int,
+        stdin: int | None = None,
         new_session: bool = False,
     ) -> WarmProcess:
-        """Fork `python -m module args` with this environment, folder and stream descriptors."""
+        """Fork `python -m module args` with this environment, folder and stream descriptors (stdin:
+        /dev/null unless given)."""
         job = {"module": module, "argv": list(args), "env": dict(env), "cwd": os.fspath(cwd)}
         job["new_session"] = new_session
         with self._lock:
@@ -134,7 +136,8 @@ class WarmStarter:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self._path)
-            socket.send_fds(conn, [json.dumps(job).encode()], [stdout, stderr])
+            fds = [stdout, stderr] if stdin is None else [stdout, stderr, stdin]
+            socket.send_fds(conn, [json.dumps(job).encode()], fds)
             reply = conn.recv(64)
             if not reply:
                 raise RuntimeError(f"the warm starter could not start {module}")
@@ -252,7 +255,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
 def _fork_one(listener: socket.socket, children: dict[int, socket.socket], pipe: list[int]) -> dict | None:
     """Accept one job and fork it; in the child, set it up and return the job."""
     conn, _ = listener.accept()
-    msg, fds, _flags, _addr = socket.recv_fds(conn, _MAX_MSG, 2)
+    msg, fds, _flags, _addr = socket.recv_fds(conn, _MAX_MSG, 3)
     job = json.loads(msg)
     pid = os.fork()
     if pid == 0:
@@ -266,11 +269,12 @@ def _fork_one(listener: socket.socket, children: dict[int, socket.socket], pipe:
             os.close(fd)
         if job["new_session"]:
             os.setsid()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
+        if len(fds) < 3:
+            fds.append(os.open(os.devnull, os.O_RDONLY))
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
-        for fd in (devnull, *fds):
+        os.dup2(fds[2], 0)
+        for fd in fds:
             os.close(fd)
         os.environ.clear()
         os.environ.update(job["env"])
