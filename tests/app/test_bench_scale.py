@@ -19,6 +19,7 @@ IN_MEMORY = ("dict_floor", "cpu", "disk", "object_index")
 COSTS = ("lookup_us", "lookup_spread_us", "commit_us", "commit_evict_us", "evict_us")
 
 
+@pytest.mark.e2e  # its context part runs vLLM engines
 @pytest.mark.redis
 def test_quick_scale_benchmark_reports_every_tier_size_connection_count_and_context(
     tmp_path, monkeypatch

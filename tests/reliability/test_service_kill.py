@@ -270,6 +270,8 @@ class Driver:
         self._stdin = open(to_engine[1], "wb")  # noqa: SIM115 - closed in close()
         self._stdout = open(from_engine[0], "rb")  # noqa: SIM115 - closed by the reader at its end
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        # An embedded service the engine started holds its stdout too, and may write after close().
+        self._log_lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -278,9 +280,11 @@ class Driver:
                 line = raw.decode(errors="replace")
                 if line.startswith(MARK):
                     self._answers.put(json.loads(line[len(MARK) :]))
-                else:  # vLLM logs to stdout: keep it beside stderr
-                    self._log.write(raw)
-                    self._log.flush()
+                    continue
+                with self._log_lock:  # vLLM logs to stdout: keep it beside stderr, until close()
+                    if not self._log.closed:
+                        self._log.write(raw)
+                        self._log.flush()
         self._answers.put(None)
 
     def poll(self, timeout: float) -> dict[str, Any] | None:
@@ -332,7 +336,8 @@ class Driver:
                 self.proc.wait(10)
         with contextlib.suppress(OSError):  # the engine may be gone, with what was left unsent
             self._stdin.close()
-        self._log.close()
+        with self._log_lock:
+            self._log.close()
         return self.proc.wait()
 
 
