@@ -31,11 +31,10 @@ redis-server:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
-# Two workers: every end-to-end test on one of them, one at a time (the xdist group "engines",
-# tests/conftest.py), the tests that start no engine on the other. Two engine tests at once on two
-# cores ran past their bounds (docs/performance.md, "Test-suite durations").
+# One test at a time: beside an engine test, other tests on the second core made a late reserve answer
+# skip a save that a test counts (docs/performance.md, "Test-suite durations").
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Unit and integration tests without vLLM engines (docs/contributing.md, "Test tiers"), on two
 # workers, whole files each.

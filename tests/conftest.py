@@ -12,16 +12,6 @@ from tests.support.leak_check import kvtier_leak_session, leak_check, no_kvtier_
 pytest_plugins = ["tests.support.redis_fixtures", "tests.support.object_fixtures"]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every end-to-end test in one xdist group: under `make test`'s two workers they run on one of
-    them, one at a time, while the other worker takes the tests that start no engine. Two engines at
-    once on two cores push exact hit counts past their bounds (docs/performance.md, "Test-suite
-    durations")."""
-    for item in items:
-        if item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group("engines"))
-
-
 @pytest.fixture(autouse=True)
 def degraded_mode_caught_no_bug(request: pytest.FixtureRequest) -> Iterator[None]:
     """An e2e test fails when the connector, in this process, turned a kvtier bug into a miss."""
