@@ -406,26 +406,35 @@ class SlotAllocator:
         """Bytes a slot of length occupies."""
         return align_up(max(length, 1), self.align)
 
-    def alloc(self, length: int) -> SlotRef | None:
-        """An open slot of exactly length bytes at an aligned offset, or None when no extent fits."""
-        need = self.extent(length)
-        best = -1
-        best_len = 0
-        for off in self._free_offsets:  # best fit; ties go to the lowest offset
+    def _best_fit(self, need: int) -> tuple[int, int]:
+        """The offset and length of the smallest free extent of at least need bytes (ties: the lowest
+        offset); (-1, 0) when none fits."""
+        best, best_len = -1, 0
+        for off in self._free_offsets:
             ext = self._free_len[off]
             if need <= ext and (best < 0 or ext < best_len):
                 best, best_len = off, ext
                 if ext == need:
                     break
-        if best < 0:
-            return None
+        return best, best_len
+
+    def _cut(self, best: int, best_len: int, used: int) -> None:
+        """Take the first used bytes of the free extent at best (best_len long); the rest stays free."""
         idx = bisect.bisect_left(self._free_offsets, best)
         del self._free_offsets[idx]
         del self._free_len[best]
-        if best_len > need:
-            rest = best + need
+        if best_len > used:
+            rest = best + used
             self._free_offsets.insert(idx, rest)
-            self._free_len[rest] = best_len - need
+            self._free_len[rest] = best_len - used
+
+    def alloc(self, length: int) -> SlotRef | None:
+        """An open slot of exactly length bytes at an aligned offset, or None when no extent fits."""
+        need = self.extent(length)
+        best, best_len = self._best_fit(need)
+        if best < 0:
+            return None
+        self._cut(best, best_len, need)
         self._lengths_seen.add(length)
         if self._spare_ids:
             sid = self._spare_ids.pop()
@@ -452,23 +461,11 @@ class SlotAllocator:
         out: list[SlotRef] = []
         self._lengths_seen.add(length)
         while len(out) < count:
-            best, best_len = -1, 0
-            for off in self._free_offsets:  # best fit; ties go to the lowest offset
-                ext = self._free_len[off]
-                if need <= ext and (best < 0 or ext < best_len):
-                    best, best_len = off, ext
-                    if ext == need:
-                        break
+            best, best_len = self._best_fit(need)
             if best < 0:
                 break
             k = min(count - len(out), best_len // need)
-            idx = bisect.bisect_left(self._free_offsets, best)
-            del self._free_offsets[idx]
-            del self._free_len[best]
-            if best_len > k * need:
-                rest = best + k * need
-                self._free_offsets.insert(idx, rest)
-                self._free_len[rest] = best_len - k * need
+            self._cut(best, best_len, k * need)
             offsets = range(best, best + k * need, need)
             out += map(_new_tuple, repeat(SlotRef), zip(offsets, repeat(length)))
             self._open.update(zip(offsets, self._new_ids(offsets, length), strict=True))
