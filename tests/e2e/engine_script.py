@@ -12,26 +12,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.warm import REPO, run_module
+from tests.support.warm import REPO, Finished, run_module
 
 
 def run_engine_process(job: dict, env: dict[str, str] | None = None, cwd: Path | None = None) -> dict:
     """Run the job in a process of its own; its JSON result (fails the test if the engine failed).
 
-    In the checkout it is a fork of the warm starter (tests/support/warm_jobs.py); with cwd, a fresh
+    In the checkout it is a fork of the warm starter (tests/support/warm.py); with cwd, a fresh
     interpreter in that folder (`-m` puts it first on sys.path)."""
     base = dict(os.environ) if env is None else env
     env = {**base, "PYTHONPATH": str(REPO)}
     if cwd is None:
         done = run_module("tests.e2e.engine_script", [json.dumps(job)], env, timeout=300)
-        returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
     else:
         argv = [sys.executable, "-m", "tests.e2e.engine_script", json.dumps(job)]
         proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    assert returncode == 0, stderr[-3000:]
-    result = json.loads(stdout.strip().splitlines()[-1])
-    result["kvtier_log"] = [line for line in stderr.splitlines() if "kvtier" in line]
+        done = Finished(proc.returncode, proc.stdout, proc.stderr)
+    result = done.result()
+    result["kvtier_log"] = [line for line in done.stderr.splitlines() if "kvtier" in line]
     return result
 
 

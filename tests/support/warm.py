@@ -182,6 +182,12 @@ class Finished:
     stdout: str
     stderr: str
 
+    def result(self) -> dict[str, Any]:
+        """The JSON object on the job's last line of stdout; fails the test, with the end of its
+        stderr, when the job failed."""
+        assert self.returncode == 0, self.stderr[-4000:]
+        return dict(json.loads(self.stdout.strip().splitlines()[-1]))
+
 
 def run_module(module: str, args: Sequence[str], env: Mapping[str, str], timeout: float) -> Finished:
     """`python -m module args` in the checkout, to its end (killed past timeout, which then raises)."""
