@@ -84,9 +84,10 @@ def heap_kept_frozen() -> Iterator[None]:
     runs: vLLM's own gc.freeze() and gc.unfreeze() calls do nothing meanwhile.
 
     An in-process engine collects the whole heap six or seven times between its start and its stop
-    (vLLM freezes at start, unfreezes at shutdown, collects around both): with vLLM imported each
-    pass walks some 700,000 objects. Kept frozen, the passes walk only the engine's own objects,
-    which stay collectable, so the engine is still freed when it stops.
+    (vLLM freezes at start, unfreezes at shutdown, collects around both), each pass over every
+    object vLLM's imports left (docs/performance.md, "Cheaper engine tests"). Kept frozen, the
+    passes walk only the engine's own objects, which stay collectable, so the engine is still freed
+    when it stops.
     """
     gc.collect()
     gc.freeze()

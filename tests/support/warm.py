@@ -1,10 +1,11 @@
 """Python processes started as forks of one that has imported vLLM already.
 
-Tests start a few dozen fresh engine processes (engine scripts, OpenAI servers); importing vLLM costs
-each about 6 s of CPU on a 2-core machine. ``WarmStarter`` keeps one process that has imported the
-modules once, and forks it for each ``python -m MODULE ARGS`` asked of it: the fork runs the module as
-``__main__`` with its own argument list, environment, working directory, standard streams and session,
-and exits through the interpreter's normal shutdown. ``WarmProcess`` answers like ``subprocess.Popen``.
+Tests start a few dozen engine processes (engine scripts, OpenAI servers), and importing vLLM costs
+each of them seconds of CPU (docs/performance.md, "Cheaper engine tests"). ``WarmStarter`` keeps one
+process that has imported the modules once, and forks it for each ``python -m MODULE ARGS`` asked of
+it: the fork runs the module as ``__main__`` with its own argument list, environment, working
+directory, standard streams and session, and exits through the interpreter's normal shutdown.
+``WarmProcess`` answers like ``subprocess.Popen``.
 
 Not for a process whose point is a fresh interpreter: what the preloaded modules read from the
 environment at import (vLLM's logging configuration, malloc and OpenMP settings) is the starter's,
