@@ -111,7 +111,7 @@ class KVTierSettings(BaseSettings):
     object_size: ByteSize = Field(
         ByteSize(100 << 30),
         description=(
-            "Bytes kvtier keeps in the object tier (least recently used objects deleted beyond it); "
+            "Bytes kvtier keeps in the object tier (objects unused the longest deleted beyond it); "
             "0 = no eviction by kvtier (a bucket lifecycle rule expires objects instead)."
         ),
     )

@@ -358,12 +358,12 @@ class ObjectIndexDriver(Driver):
         return sum(c is not None for c in found)
 
     async def commit(self, keys: list[ChunkKey]) -> None:
-        """stored() each, evicting the oldest beyond n + room as the tier does (capacity >> 10 more,
-        so that its scan from the oldest end runs once per many puts)."""
+        """stored() each, evicting what the clock picks beyond n + room as the tier does (up to
+        capacity >> 10 more, so that the clock sweeps once per many puts)."""
         capacity = (self.n + self.room) * self.size
         excess = (len(self.index) + len(keys)) * self.size - capacity
         if excess > 0:
-            for compact in self.index.victims(excess + (capacity >> 10), set()):
+            for compact in self.index.victims(excess, None, capacity >> 10):
                 self.index.drop(self.index.ids.key_of(compact))
         for key in keys:
             self.index.stored(key, self.size)

@@ -1,4 +1,4 @@
-"""Disk tier: one self-describing blob file per chunk under ``disk_path``, LRU within ``disk_size``.
+"""Disk tier: one self-describing blob file per chunk under ``disk_path``, CLOCK within ``disk_size``.
 
 Who owns what: the event loop owns the index, the pins, the byte accounting and the stats; the tier's
 I/O threads (``IOThreads``) only run file I/O on the paths and buffers handed to them.
@@ -118,7 +118,7 @@ class DiskTier:
 
     async def _load_index(self, load: IndexLoad) -> None:
         """Scan disk_path a fan-out directory per job, merging each into the index as it comes; then
-        put the LRU order in place and fit the index in disk_size."""
+        put the files' order in place and fit the index in disk_size."""
         report = ScanReport()
         try:
             prefix = self._ids.prefix
@@ -257,33 +257,28 @@ class DiskTier:
             self.listener.stored(Tier.DISK, [key], [covered])
 
     def _pick_victims(self, need: int) -> list[ChunkKey] | None:
-        """Unindex least recently used unpinned keys until need more bytes fit, then more while they
-        fit in the slack; None if impossible, or while the index loads (its LRU order is not known)."""
+        """Unindex unpinned keys the clock picks until need more bytes fit, and the slack too where
+        they can; None if impossible, or while the index loads (the files' order is not known yet)."""
         index = self._index
         excess = index.used + self._reserved + need - self.capacity
         if excess <= 0:
             return []
         if self._load is not None:
             return None
-        freed, limit = 0, excess + self._slack
-        victims: list[tuple[bytes, ChunkKey]] = []
         key_of, pinned = self._ids.key_of, self._book.pinned
-        for compact, size in index.oldest():
-            if freed >= excess and freed + size > limit:
-                break
-            key = key_of(compact)
-            if pinned(key):
-                continue
-            victims.append((compact, key))
-            freed += size
-        if freed < excess:
+
+        def held(compact: bytes) -> bool:
+            return pinned(key_of(compact))
+
+        picked = index.victims(excess, held, self._slack)
+        if not picked:
             return None
-        for compact, key in victims:
+        keys = [key_of(compact) for compact in picked]
+        for compact, key in zip(picked, keys, strict=True):
             index.pop(compact)
             self._book.forget(key)
-        self._stats.evictions += len(victims)
-        keys = [key for _, key in victims]
-        if self.listener is not None and keys:
+        self._stats.evictions += len(keys)
+        if self.listener is not None:
             self.listener.removed(Tier.DISK, keys)
         return keys
 
@@ -307,7 +302,7 @@ class DiskTier:
 
     async def read_elsewhere(self, good: list[ChunkKey], nbytes: int, corrupt: list[ChunkKey]) -> None:
         """Count chunks a client read from their files itself as get_into() would: the good ones
-        are hits, touched for LRU; the corrupt ones are counted and their files removed."""
+        are hits, marked used; the corrupt ones are counted and their files removed."""
         for key in good:
             compact = self._index.find(key)
             if compact is not None:
@@ -357,7 +352,7 @@ class DiskTier:
         index loads, the files the scan finds from then on are removed as it finds them."""
         if self._load is not None:
             self._load.cleared = True
-        keys = self._index.keys()
+        keys = self._index.key_list()
         removed = 0
         for start in range(0, len(keys), _CLEAR_STEP):  # the loop serves between steps
             victims = [self._ids.key_of(c) for c in keys[start : start + _CLEAR_STEP] if c in self._index]

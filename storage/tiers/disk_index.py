@@ -1,4 +1,4 @@
-"""The disk tier's index: which chunks have a file, its size, in LRU order; and the index's load.
+"""The disk tier's index: which chunks have a file, its size, its recency (CLOCK); and the index's load.
 
 Who owns what: ``DiskIndex`` and ``IndexLoad`` belong to the event loop; ``NamespaceIds`` is shared
 with the scan's threads and assigns new ids under a lock; ``order_by_mtime`` runs in a thread.
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvtier.storage.base import ChunkKey
+from kvtier.storage.eviction import ClockPolicy
 
 ID_BYTES = 4  # namespace id width; a bytes key of up to 7 more bytes than its hash costs no more memory
 _new_tuple = tuple.__new__  # ChunkKey without its Python-level __new__
@@ -55,19 +56,28 @@ class NamespaceIds:
 
 
 class DiskIndex:
-    """Compact key -> file size, least recently used first, and the bytes of all of them."""
+    """Compact key -> file size by dense id, the bytes of all of them, and CLOCK recency.
+
+    Each indexed key has an id: the dict maps the key to it, and arrays by id hold its key, size and
+    the clock's reference bit (``eviction.ClockPolicy``). So a use is a byte set, a removal leaves no
+    hole for a later scan to step over, and eviction sweeps a window of ids instead of walking a
+    recency order from its oldest end.
+    """
 
     def __init__(self, ids: NamespaceIds | None = None) -> None:
         self.ids = ids or NamespaceIds()
         self.used = 0
-        self._entries: dict[bytes, int] = {}
-        self._sizes: dict[int, int] = {}  # one int object per distinct size
+        self._id_of: dict[bytes, int] = {}
+        self._keys: list[bytes | None] = [None]  # by id; id 0 is never used
+        self._sizes = array("q", [0])  # by id
+        self._free: list[int] = []  # ids of removed keys, for the next new ones
+        self._clock = ClockPolicy()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._id_of)
 
     def __contains__(self, compact: object) -> bool:
-        return compact in self._entries
+        return compact in self._id_of
 
     def find(self, key: ChunkKey) -> bytes | None:
         """key's compact key if it is indexed, else None."""
@@ -75,53 +85,101 @@ class DiskIndex:
         if prefix is None:
             return None
         compact = prefix + key.prefix_hash
-        return compact if compact in self._entries else None
+        return compact if compact in self._id_of else None
 
     def size_of(self, compact: bytes) -> int | None:
         """The indexed file size, or None."""
-        return self._entries.get(compact)
+        sid = self._id_of.get(compact)
+        return None if sid is None else self._sizes[sid]
 
     def put(self, compact: bytes, size: int) -> None:
-        """Index a file as the most recently used, replacing any entry of the key."""
-        old = self._entries.pop(compact, None)
-        if old is not None:
-            self.used -= old
-        self._entries[compact] = self._sizes.setdefault(size, size)
+        """Index a new key's file, not yet used, or a key's new file, which counts as a use."""
+        sid = self._id_of.get(compact)
+        if sid is None:
+            # The last id freed: in a full tier a victim's, just behind the hand (a whole sweep away).
+            sid = self._free.pop() if self._free else self._new_id()
+            self._id_of[compact] = sid
+            self._keys[sid] = compact
+            self._clock.bits[sid] = 0
+        else:
+            self.used -= self._sizes[sid]
+            self._clock.bits[sid] = 1
+        self._sizes[sid] = size
         self.used += size
 
-    def interned(self, sizes: list[int]) -> list[int]:
-        """sizes, each replaced by the int object the index shares for that size."""
-        same = self._sizes.setdefault
-        return list(map(same, sizes, sizes))
+    def _new_id(self) -> int:
+        sid = len(self._keys)
+        self._keys.append(None)
+        self._sizes.append(0)
+        self._clock.grow(sid + 1)
+        return sid
 
     def touch(self, compact: bytes) -> bool:
-        """Make an indexed key the most recently used; False when it is not indexed."""
-        size = self._entries.pop(compact, None)
-        if size is None:
+        """Mark an indexed key used; False when it is not indexed."""
+        sid = self._id_of.get(compact)
+        if sid is None:
             return False
-        self._entries[compact] = size
+        self._clock.bits[sid] = 1
         return True
 
     def pop(self, compact: bytes) -> int | None:
         """Unindex a key; its size, or None when it was not indexed."""
-        size = self._entries.pop(compact, None)
-        if size is not None:
-            self.used -= size
+        sid = self._id_of.pop(compact, None)
+        if sid is None:
+            return None
+        self._keys[sid] = None
+        self._free.append(sid)
+        size = self._sizes[sid]
+        self.used -= size
         return size
 
-    def oldest(self) -> Iterator[tuple[bytes, int]]:
-        """Entries from the least recently used on (do not change the index while iterating)."""
-        return iter(self._entries.items())
+    def victims(self, need: int, held: Callable[[bytes], bool] | None = None, slack: int = 0) -> list[bytes]:
+        """Keys the clock picks, none held, whose sizes add up to at least need, then more while
+        their total stays within need + slack; [] when the keys not held cannot free need. Nothing
+        is unindexed: the caller pops each victim."""
+        if need <= 0 or not self._id_of:
+            return []
+        keys, sizes = self._keys, self._sizes
 
-    def keys(self) -> list[bytes]:
-        """Every indexed compact key, oldest first (a copy)."""
-        return list(self._entries)
+        def evictable(ids: list[int]) -> list[int]:
+            if held is None:
+                return [sid for sid in ids if keys[sid] is not None]
+            return [sid for sid in ids if (c := keys[sid]) is not None and not held(c)]
+
+        def sizes_of(ids: list[int]) -> list[int]:
+            return [sizes[sid] for sid in ids]
+
+        unit = max(1, self.used // len(self._id_of))
+        extra = slack // unit * unit  # whole victims only: the hand clears the marks of all it asks for
+        chosen = self._clock.victims(need + extra, unit, evictable, sizes_of)
+        if not chosen and extra:
+            chosen = self._clock.victims(need, unit, evictable, sizes_of)
+        out: list[bytes] = []
+        total = 0
+        for sid in chosen:
+            size = sizes[sid]
+            if total >= need and total + size > need + slack:
+                break
+            out.append(keys[sid])  # type: ignore[arg-type]
+            total += size
+        return out
+
+    def key_list(self) -> list[bytes]:
+        """Every indexed compact key (a copy)."""
+        return list(self._id_of)
 
     def reorder(self, entries: dict[bytes, int]) -> None:
-        """Take entries, the same keys and sizes as the index, as its new LRU order."""
-        if len(entries) != len(self._entries):
-            raise ValueError(f"a reorder of {len(self._entries)} entries got {len(entries)}")
-        self._entries = entries
+        """Take entries, the same keys and sizes as the index, oldest first: they get new ids in that
+        order with their bits clear, so that the hand, from the first id, evicts the oldest first."""
+        if len(entries) != len(self._id_of):
+            raise ValueError(f"a reorder of {len(self._id_of)} entries got {len(entries)}")
+        self._id_of = dict(zip(entries, range(1, len(entries) + 1), strict=True))
+        self._keys = [None, *entries]
+        self._sizes = array("q", [0])
+        self._sizes.extend(entries.values())
+        self._free = []
+        self._clock = ClockPolicy()
+        self._clock.grow(len(entries) + 1)
 
 
 @dataclass(slots=True)
@@ -144,7 +202,7 @@ class IndexLoad:
         self.cleared = False  # a clear ran during the load: files found from then on are removed
         self.found = 0  # files the scan reported
         self._keys: list[bytes] = []
-        self._sizes: list[int] = []
+        self._sizes = array("q")
         self._mtimes = array("d")
 
     def stored(self, compact: bytes) -> None:
@@ -160,7 +218,7 @@ class IndexLoad:
         given, gets the position in the batch of each file indexed."""
         self.found += len(batch.keys)
         self._keys += batch.keys
-        self._sizes += index.interned(batch.sizes)  # one int per file otherwise, each kept till the end
+        self._sizes.extend(batch.sizes)  # no int object per file kept till the end
         self._mtimes.extend(batch.mtimes)
         entries, dropped = index, self.dropped
         remove = [k for k in batch.bad if k not in entries and k not in writing]
@@ -176,13 +234,13 @@ class IndexLoad:
                 indexed.append(at)
         return remove
 
-    def records(self) -> tuple[list[bytes], list[int], array[float]]:
+    def records(self) -> tuple[list[bytes], array[int], array[float]]:
         """Every file the scan reported (for order_by_mtime, once no batch is left to merge)."""
         return self._keys, self._sizes, self._mtimes
 
     def settle(self, index: DiskIndex, ordered: dict[bytes, int]) -> None:
-        """Give index the LRU order of ordered (every file found, oldest first), fixed by what
-        happened during the load: keys dropped go, keys stored or read come last, in their order."""
+        """Give index the order of ordered (every file found, oldest first), fixed by what happened
+        during the load: keys dropped go, keys stored or read come last, in their order, marked used."""
         for compact in self.dropped:
             ordered.pop(compact, None)
         for compact in self.recent:
@@ -192,10 +250,12 @@ class IndexLoad:
             if size is not None:
                 ordered[compact] = size
         index.reorder(ordered)
-        self._keys, self._sizes, self._mtimes = [], [], array("d")  # ordered holds what is needed
+        for compact in self.recent:
+            index.touch(compact)
+        self._keys, self._sizes, self._mtimes = [], array("q"), array("d")  # ordered holds what is needed
 
 
-def order_by_mtime(keys: list[bytes], sizes: list[int], mtimes: array[float]) -> dict[bytes, int]:
+def order_by_mtime(keys: list[bytes], sizes: array[int], mtimes: array[float]) -> dict[bytes, int]:
     """keys -> sizes, oldest modification first (run in a thread: numpy sorts without the GIL)."""
     order = np.argsort(np.frombuffer(mtimes, dtype=np.float64), kind="stable").tolist()
     return {keys[i]: sizes[i] for i in order}

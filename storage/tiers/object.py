@@ -21,8 +21,8 @@ which refuses calls (counted 'unavailable', answered as misses; lookups answer m
 (403) is counted 'denied' and leaves the breaker closed: reads may still be allowed.
 
 Capacity: the index's bytes (this node's objects and those listed) are kept within ``capacity`` by
-deleting the least recently used objects the index knows of, never a pinned one; capacity 0 leaves
-it to the bucket's lifecycle rule (docs/architecture.md, "The object tier").
+deleting objects the index knows of by CLOCK (``DiskIndex``), never a pinned or uploading one;
+capacity 0 leaves it to the bucket's lifecycle rule (docs/architecture.md, "The object tier").
 
 Who owns what: the event loop owns the index, pins, uploads in flight, stats and breaker, and runs
 the loads' copies; the threads only build blobs for uploads and sort listings. The tier owns its
@@ -385,15 +385,19 @@ class ObjectTier:
             self._spares.pop(0)
 
     async def _fit(self) -> None:
-        """Delete the least recently used unpinned objects until the index fits capacity."""
+        """Delete objects the clock picks (not pinned, not uploading) until the index fits capacity,
+        and the slack too where they can."""
         capacity = self.config.capacity
         if not capacity or self.index.used <= capacity:
             return
-        need = self.index.used - capacity + (capacity >> _SLACK_SHIFT)
-        ids = self.index.ids
-        keep = {ids.compact(k) for k in self._uploads}
-        victims = [ids.key_of(c) for c in self.index.victims(need, keep)]
-        victims = [k for k in victims if not self._book.pinned(k)]
+        excess = self.index.used - capacity
+        key_of, uploads, pinned = self.index.ids.key_of, self._uploads, self._book.pinned
+
+        def held(compact: bytes) -> bool:
+            key = key_of(compact)
+            return key in uploads or pinned(key)
+
+        victims = [key_of(c) for c in self.index.victims(excess, held, capacity >> _SLACK_SHIFT)]
         for key in victims:
             self._unindex(key)
         self._stats.evictions += len(victims)

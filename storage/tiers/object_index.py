@@ -1,4 +1,4 @@
-"""The object tier's index: the objects kvtier wrote or listed under its prefix, in LRU order, and
+"""The object tier's index: the objects kvtier wrote or listed under its prefix, their recency, and
 how a LIST refreshes it.
 
 A lookup reads this index only (no request to the store), so a miss costs a dict lookup. The index
@@ -8,8 +8,8 @@ another node wrote is found at most one period plus one LIST later, and an objec
 elsewhere (another node's eviction, a lifecycle rule) stays indexed as long: a lookup may then
 answer a hit whose load finds nothing, which is a counted miss that unindexes the key.
 
-The entries are ``disk_index.DiskIndex``'s (compact bytes keys, sizes, insertion order as recency,
-about 120 B per object). A refresh is reconciled against what the loop did while the LIST ran
+The entries are ``disk_index.DiskIndex``'s (compact bytes keys, sizes, CLOCK recency, about 170 B
+per object). A refresh is reconciled against what the loop did while the LIST ran
 (``Refresh``): keys written meanwhile stay even if the LIST missed them, keys deleted meanwhile are
 not brought back.
 
@@ -19,6 +19,7 @@ on a list the loop no longer changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.storage.base import ChunkKey
@@ -132,23 +133,15 @@ class ObjectIndex:
             entries.put(compact, size)
             out.added.append(compact)
         stored = refresh.stored
-        out.gone = [c for c, _ in entries.oldest() if c not in seen and c not in stored]
+        out.gone = [c for c in entries.key_list() if c not in seen and c not in stored]
         for compact in out.gone:
             entries.pop(compact)
         return out
 
-    def victims(self, need: int, keep: set[bytes]) -> list[bytes]:
-        """Oldest compact keys, none in keep, whose sizes add up to at least need bytes."""
-        out: list[bytes] = []
-        freed = 0
-        for compact, size in self.entries.oldest():
-            if freed >= need:
-                break
-            if compact in keep:
-                continue
-            out.append(compact)
-            freed += size
-        return out
+    def victims(self, need: int, held: Callable[[bytes], bool] | None = None, slack: int = 0) -> list[bytes]:
+        """Compact keys the clock picks, none held, freeing at least need bytes and up to slack more
+        (``DiskIndex.victims``)."""
+        return self.entries.victims(need, held, slack)
 
 
 def order(listed: list[tuple[float, bytes, int]]) -> list[tuple[float, bytes, int]]:

@@ -1,4 +1,4 @@
-"""The object tier's index: paths, a LIST's reconciliation with what the loop did meanwhile, LRU victims."""
+"""The object tier's index: paths, a LIST's reconciliation with what the loop did meanwhile, victims."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def test_what_the_loop_did_during_a_list_wins_over_the_list() -> None:
     assert index.find(key(4)) is not None and index.find(key(1)) is None
 
 
-def test_victims_are_the_oldest_not_kept() -> None:
+def test_victims_are_unused_and_not_held() -> None:
     index = ObjectIndex()
     for i in range(4):
         index.stored(key(i), 10)
-    index.touch(index.ids.compact(key(0)))  # a hit: now the most recent
-    keep = {index.ids.compact(key(1))}
-    assert [index.ids.key_of(c) for c in index.victims(15, keep)] == [key(2), key(3)]
+    index.touch(index.ids.compact(key(0)))  # a hit: a second chance
+    held = {index.ids.compact(key(1))}
+    assert [index.ids.key_of(c) for c in index.victims(15, held.__contains__)] == [key(2), key(3)]

@@ -58,22 +58,31 @@ def test_namespace_ids_are_small_and_round_trip() -> None:
     assert type(ids.key_of(compact_a)) is ChunkKey and ids.find(NS) == b"\0\0\0\0"
 
 
-def test_index_keeps_lru_order_and_the_bytes_of_its_files() -> None:
+def test_index_keeps_the_bytes_of_its_files_and_evicts_by_clock() -> None:
     index = DiskIndex()
-    keys = [index.ids.compact(key(0, i)) for i in range(4)]
-    for i, compact in enumerate(keys):
-        index.put(compact, 100 + i)
-    assert index.touch(keys[1]) and not index.touch(b"nope")
-    index.put(keys[2], 500)  # stored anew: a new size, and the most recent
-    assert [k for k, _ in index.oldest()] == [keys[0], keys[3], keys[1], keys[2]]
-    assert index.used == 100 + 103 + 101 + 500 and len(index) == 4
-    assert index.pop(keys[0]) == 100 and index.pop(keys[0]) is None
-    assert index.used == 103 + 101 + 500
+    keys = [index.ids.compact(key(0, i)) for i in range(6)]
+    for compact in keys:
+        index.put(compact, 100)  # new keys start unused
+    index.put(keys[5], 500)  # stored anew: a new size, counted once, and a use
+    assert index.used == 5 * 100 + 500 and len(index) == 6 and not index.touch(b"nope")
+    # The hand takes unused keys in id order, and passes the used one.
+    assert index.victims(200) == keys[:2]
+    assert [index.pop(c) for c in keys[:2]] == [100, 100] and index.pop(keys[0]) is None
+    assert index.used == 3 * 100 + 500
+    assert index.touch(keys[3])  # used: the hand gives it a second chance
+    assert index.victims(200) == [keys[2], keys[4]]
+    assert index.victims(1000, held=lambda c: c != keys[3]) == []  # 100 bytes may go: too few
+    assert index.victims(100, held=lambda c: c != keys[3], slack=50) == [keys[3]]  # slack if it can
     assert index.find(key(0, 3)) == keys[3] and index.find(key(0, 0)) is None
     assert index.find(key(0, 3, OTHER_NS)) is None  # a namespace with no id: no allocation
     assert index.ids.find(OTHER_NS) is None
-    with pytest.raises(ValueError, match="reorder of 3 entries got 1"):
-        index.reorder({keys[1]: 101})
+    fresh = index.ids.compact(key(0, 9))
+    index.put(fresh, 100)  # takes a removed key's id
+    assert len(index) == 5 and index.size_of(fresh) == 100 and index.used == 4 * 100 + 500
+    with pytest.raises(ValueError, match="reorder of 5 entries got 1"):
+        index.reorder({keys[3]: 100})
+    index.reorder({c: index.size_of(c) or 0 for c in [keys[5], fresh, keys[2], keys[3], keys[4]]})
+    assert index.victims(index.used) == [keys[5], fresh, keys[2], keys[3], keys[4]]  # oldest first
 
 
 def test_index_memory_per_chunk_is_at_most_200_bytes() -> None:
@@ -136,7 +145,7 @@ def _simulate_load(seed: int) -> None:
                 recent = [r for r in recent if r != c]
             elif op == "clear" and rng.random() < 0.2:
                 load.cleared = True
-                for k in [k for k, _ in index.oldest()]:
+                for k in index.key_list():
                     load.dropped.add(k)
                     index.pop(k)
                 truth = {}
@@ -147,10 +156,11 @@ def _simulate_load(seed: int) -> None:
             truth.pop(c, None)
     load.settle(index, order_by_mtime(*load.records()))
     old = sorted((c for c in truth if c not in recent), key=lambda c: on_disk[c][1])
-    assert [c for c, _ in index.oldest()] == old + recent
-    assert dict(index.oldest()) == {c: size for c, (size, _) in truth.items()}
+    # Eviction takes the scanned files oldest first, then the keys stored or read during the load.
+    assert index.victims(index.used) == old + recent
+    assert {c: index.size_of(c) for c in index.key_list()} == {c: size for c, (size, _) in truth.items()}
     assert index.used == sum(size for size, _ in truth.values())
-    assert removed.isdisjoint(index.keys())
+    assert removed.isdisjoint(index.key_list())
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -256,7 +266,7 @@ async def test_puts_and_deletes_during_the_load_are_exact(tmp_path: Path) -> Non
     assert stats.chunks == len(on_disk) == 6  # old 0 and 2..5, and the new key, each once
     assert stats.bytes == sum(p.stat().st_size for p in on_disk) == 6 * BLOB
     # The keys stored during the load are the most recent: eviction takes the scanned ones first.
-    assert [tier._ids.key_of(c) for c, _ in tier._index.oldest()][-2:] == [new, old[0]]
+    assert [tier._ids.key_of(c) for c in tier._index.victims(tier._index.used)][-2:] == [new, old[0]]
     await tier.close()
 
 

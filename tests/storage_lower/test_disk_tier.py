@@ -282,12 +282,12 @@ async def test_reads_an_engine_made_itself_count_as_hits_and_corrupt_files_go(tm
     tier = await started(tmp_path, size=3 * BLOB)
     for i in range(3):
         assert await tier.put(key(i), payload(i))
-    # Read elsewhere (the file channel): chunk 0 good, chunk 1 corrupt. Chunk 0 is now the most
-    # recently used, so the next put evicts chunk 2, the least recently used left.
-    await tier.read_elsewhere([key(0)], CHUNK, [key(1)])
+    # Read elsewhere (the file channel): chunk 0 good, chunk 2 corrupt. Chunk 0 is now marked used,
+    # so the next put that needs room evicts chunk 1, unused.
+    await tier.read_elsewhere([key(0)], CHUNK, [key(2)])
     stats = tier.stats()
     assert (stats.hits, stats.bytes_read, stats.misses, stats.errors) == (1, CHUNK, 1, {"corrupt": 1})
-    assert not exists(tier.path_of(key(1)))
+    assert not exists(tier.path_of(key(2)))
     assert await tier.put(key(3), payload(3)) and await tier.put(key(4), payload(4))
     assert await tier.contains_many([key(i) for i in range(5)]) == [True, False, False, True, True]
     await tier.close()
@@ -302,15 +302,15 @@ async def test_length_mismatch_is_counted_not_deleted(tmp_path: Path) -> None:
     await tier.close()
 
 
-async def test_lru_eviction_within_disk_size_skips_pinned(tmp_path: Path) -> None:
+async def test_eviction_within_disk_size_skips_pinned_and_spares_used(tmp_path: Path) -> None:
     tier = await started(tmp_path, size=3 * BLOB)
     for i in range(3):
         assert await tier.put(key(i), payload(i))
     tier.pin([key(0)])
-    assert await read(tier, 1)  # key 1 is now more recent than key 2
-    assert await tier.put(key(3), payload(3))  # evicts key 2 (least recent unpinned)
+    assert await read(tier, 1)  # key 1 is now marked used, key 2 is not
+    assert await tier.put(key(3), payload(3))  # evicts key 2 (unused, unpinned)
     assert await tier.contains_many([key(i) for i in range(4)]) == [True, True, False, True]
-    assert await tier.put(key(4), payload(4))  # evicts key 1; key 0 stays pinned
+    assert await tier.put(key(4), payload(4))  # evicts key 1, its mark cleared as the hand passed
     assert await tier.contains_many([key(i) for i in range(5)]) == [True, False, False, True, True]
     stats = tier.stats()
     assert stats.evictions == 2 and stats.bytes == 3 * BLOB <= stats.capacity
