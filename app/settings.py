@@ -146,8 +146,8 @@ class KVTierSettings(BaseSettings):
     prestage_bytes: ByteSize = Field(
         ByteSize(256 << 20),
         description=(
-            "Bytes of disk and Redis hits the service reads into the CPU tier ahead, while their "
-            "requests wait in vLLM's queue (reads in flight at once; at most half of cpu_size); "
+            "Bytes of disk, Redis and object-storage hits the service reads into the CPU tier ahead, "
+            "while their requests wait in vLLM's queue (reads in flight at once; at most half of cpu_size); "
             "0 = off: lower-tier hits are read when vLLM schedules their requests."
         ),
     )
