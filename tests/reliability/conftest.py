@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -251,6 +253,19 @@ class ServiceProc:
     def log_tail(self) -> str:
         log = self.tmp / "service.log"
         return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory on /dev/shm (tmpfs, as in production) for arenas; removed afterwards.
+
+    Not the test's own folder: an arena on a disk filesystem is written back to the disk, and a
+    busy disk then stalls the service that touches its pages (the service warns of it)."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-rel-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

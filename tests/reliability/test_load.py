@@ -89,9 +89,10 @@ def _quiet(admin: int) -> dict[str, Any]:
     return wait_for(check, 90, "the embedded service to release every lease")
 
 
-def test_openai_server_under_load_matches_baseline_and_leaks_nothing(tiny_model: str, tmp_path: Path) -> None:
-    shm = tmp_path / "shm"
-    shm.mkdir()
+def test_openai_server_under_load_matches_baseline_and_leaks_nothing(
+    tiny_model: str, tmp_path: Path, shm_dir: Path
+) -> None:
+    shm = shm_dir
     admin = free_port()
     kv = kv_transfer_config(chunk_size=CHUNK, cpu_size="16MiB", shm_dir=str(shm), admin_port=admin)
     requests = make_requests(WARMUP + LOAD, seed=11)

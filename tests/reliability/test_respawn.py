@@ -200,6 +200,7 @@ def _probe_hits(server: OpenAIServer, admin: int) -> tuple[list[float], list[lis
 
 def _run_kills(
     tmp_path: Path,
+    shm: Path,
     model: str,
     tiers: dict[str, Any],
     choose: Any,
@@ -209,8 +210,6 @@ def _run_kills(
     """Start the server, kill its service KILLS times under load, each time letting choose(core,
     workers, k) -> (winner, others) win; then check the requests and the probe's hit."""
     admin = free_port()
-    shm = tmp_path / "shm"
-    shm.mkdir()
     kv = kv_transfer_config(chunk_size=CHUNK, cpu_size="16MiB", shm_dir=str(shm), admin_port=admin, **tiers)
     server = launch(model, tmp_path, "respawn", [*SERVER_ARGS, *extra], kv, {**DEV_MODE, **(env or {})})
     try:
@@ -241,24 +240,26 @@ def _run_kills(
     assert (respawns, failures) == (KILLS, 0), f"vLLM's metrics count {respawns} respawns, {failures} failed"
 
 
-def test_the_worker_wins_the_respawn_race_with_a_disk_tier(tiny_model: str, tmp_path: Path) -> None:
+def test_the_worker_wins_the_respawn_race_with_a_disk_tier(
+    tiny_model: str, tmp_path: Path, shm_dir: Path
+) -> None:
     def worker_wins(core: int, workers: list[int], k: int) -> tuple[int, list[int]]:
         return workers[0], [core]
 
-    _run_kills(tmp_path, tiny_model, {"disk_path": str(tmp_path / "disk")}, worker_wins)
+    _run_kills(tmp_path, shm_dir, tiny_model, {"disk_path": str(tmp_path / "disk")}, worker_wins)
 
 
 def test_the_engine_core_wins_the_respawn_race_with_a_redis_tier(
-    tiny_model: str, tmp_path: Path, redis_server: RedisServer
+    tiny_model: str, tmp_path: Path, shm_dir: Path, redis_server: RedisServer
 ) -> None:
     def core_wins(core: int, workers: list[int], k: int) -> tuple[int, list[int]]:
         return core, workers
 
-    _run_kills(tmp_path, tiny_model, {"redis_url": redis_server.url}, core_wins)
+    _run_kills(tmp_path, shm_dir, tiny_model, {"redis_url": redis_server.url}, core_wins)
 
 
 def test_either_worker_of_a_tp2_engine_wins_with_disk_and_redis_tiers(
-    tiny_model: str, tmp_path: Path, redis_server: RedisServer
+    tiny_model: str, tmp_path: Path, shm_dir: Path, redis_server: RedisServer
 ) -> None:
     def next_worker_wins(core: int, workers: list[int], k: int) -> tuple[int, list[int]]:
         assert len(workers) == 2, workers
@@ -266,4 +267,5 @@ def test_either_worker_of_a_tp2_engine_wins_with_disk_and_redis_tiers(
         return winner, [core, *(w for w in workers if w != winner)]
 
     tiers = {"disk_path": str(tmp_path / "disk"), "redis_url": redis_server.url}
-    _run_kills(tmp_path, tiny_model, tiers, next_worker_wins, ["--tensor-parallel-size", "2"], TP2_ENV)
+    tp2 = ["--tensor-parallel-size", "2"]
+    _run_kills(tmp_path, shm_dir, tiny_model, tiers, next_worker_wins, tp2, TP2_ENV)

@@ -18,13 +18,10 @@ import contextlib
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +64,6 @@ pytestmark = pytest.mark.e2e
 MARK = "@@kvtier-driver "
 CALL_TIMEOUT_S = DEFAULT_TIMEOUT_S  # how long the connector's client waits for any answer
 FROZEN_WAIT_S = 25  # a correct engine needs the call timeout plus a few seconds
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A private directory on /dev/shm (tmpfs, as in production) for arenas; removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="kvt-rel-", dir="/dev/shm"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_standalone_service_sigkill_then_restart(
@@ -353,10 +340,11 @@ def _admin_up(port: int) -> bool:
         return False  # not listening yet
 
 
-def test_embedded_service_sigkill_is_respawned(tiny_model: str, oracle: Oracle, tmp_path: Path) -> None:
+def test_embedded_service_sigkill_is_respawned(
+    tiny_model: str, oracle: Oracle, tmp_path: Path, shm_dir: Path
+) -> None:
     first, second = [32, 33, 34, 35], [36, 37, 38, 39]
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = shm_dir
     admin = free_port()
     # No service_url: the embedded default, one private service per engine, spawned by the connector.
     cfg = kv_transfer_config(chunk_size=CHUNK, cpu_size="64MiB", shm_dir=str(shm), admin_port=admin)
