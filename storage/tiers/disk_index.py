@@ -103,7 +103,7 @@ class DiskIndex:
             self._clock.bits[sid] = 0
         else:
             self.used -= self._sizes[sid]
-            self._clock.bits[sid] = 1
+            self._clock.touch(sid)
         self._sizes[sid] = size
         self.used += size
 
@@ -119,7 +119,7 @@ class DiskIndex:
         sid = self._id_of.get(compact)
         if sid is None:
             return False
-        self._clock.bits[sid] = 1
+        self._clock.touch(sid)
         return True
 
     def pop(self, compact: bytes) -> int | None:
